@@ -1,0 +1,94 @@
+"""dist_ckpt: distributed checkpointing of sharded training state, Megatron-Core compatible.
+
+Replace ``from megatron.core import dist_checkpointing`` with ``import dist_ckpt`` and keep
+calling ``save`` / ``load`` with ShardedTensors. See README.md for the everyday flows.
+"""
+
+from .core import (
+    CheckpointExistsError,
+    CheckpointingConfig,
+    CheckpointingException,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DuplicateStrategyError,
+    KeyMismatchError,
+    MismatchError,
+    ShardingError,
+    StrategyCompatibilityError,
+    UnknownStrategyError,
+    UnsafePickleError,
+)
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+    is_main_replica,
+)
+from .safe_unpickle import add_safe_globals, trusted_unpickling
+from .serialization import (
+    check_is_distributed_checkpoint,
+    load,
+    load_common_state_dict,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from .strategies.base import (
+    StrategyAction,
+    StrategyRegistry,
+    get_default_strategy,
+    register_default_strategy,
+)
+from .validation import StrictHandling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "save",
+    "load",
+    "load_common_state_dict",
+    "load_tensors_metadata",
+    "load_sharded_metadata",
+    "load_plain_tensors",
+    "remove_sharded_tensors",
+    "check_is_distributed_checkpoint",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "ShardedStateDict",
+    "StateDict",
+    "apply_factories",
+    "apply_factory_merges",
+    "is_main_replica",
+    "StrictHandling",
+    "StrategyAction",
+    "StrategyRegistry",
+    "register_default_strategy",
+    "get_default_strategy",
+    "AsyncRequest",
+    "AsyncCallsQueue",
+    "add_safe_globals",
+    "trusted_unpickling",
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "ShardingError",
+    "MismatchError",
+    "KeyMismatchError",
+    "UnknownStrategyError",
+    "DuplicateStrategyError",
+    "StrategyCompatibilityError",
+    "UnsafePickleError",
+    "__version__",
+]

@@ -1,0 +1,200 @@
+"""Collective steps that survive exceptions (after DCP's ``_DistWrapper``).
+
+Every step of a save or load that needs the other ranks runs a local function on each rank,
+catches what it raises, and exchanges the outcome. If any rank failed, every rank raises the
+same error: our own exceptions travel as they are (same type, same message); foreign ones
+(``OSError``...) become a ``CheckpointingException`` naming the rank and the original type.
+So one rank's bad input or full disk never leaves the others waiting in a collective.
+
+Works without a process group (one process): collectives become identities.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .core import CheckpointingException
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def get_rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def get_world_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass
+class RankFailure:
+    """What one rank raised, in a form that pickles across ranks."""
+
+    rank: int
+    type_name: str
+    message: str
+    exception: Optional[BaseException]  # ours only: re-raised as is everywhere
+
+    @classmethod
+    def capture(cls, rank: int, exc: BaseException) -> "RankFailure":
+        ours: Optional[BaseException] = None
+        if isinstance(exc, CheckpointingException):
+            try:
+                ours = pickle.loads(pickle.dumps(exc))
+            except Exception:  # exotic constructor: fall back to type name + message
+                ours = None
+        return cls(rank, type(exc).__name__, str(exc), ours)
+
+    def to_exception(self, all_failures: Sequence["RankFailure"]) -> BaseException:
+        if self.exception is not None:
+            return self.exception
+        others = [f.rank for f in all_failures if f.rank != self.rank]
+        also = f" (ranks {others} failed too)" if others else ""
+        return CheckpointingException(f"rank {self.rank} failed with {self.type_name}: {self.message}{also}")
+
+
+def _raise_first(failures: Sequence[RankFailure], local_exc: Optional[BaseException]) -> None:
+    if not failures:
+        return
+    first = min(failures, key=lambda f: f.rank)
+    err = first.to_exception(failures)
+    if local_exc is not None and local_exc is not err:
+        raise err from local_exc
+    raise err
+
+
+class DistWrapper:
+    """Object collectives over ``group`` (or none), each turning failures into shared errors."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, coordinator_rank: int = 0) -> None:
+        self.use_dist = dist.is_available() and dist.is_initialized()
+        self.group = group
+        self.rank = get_rank(group)
+        self.world_size = get_world_size(group)
+        self.coordinator_rank = coordinator_rank
+        self.is_coordinator = self.rank == coordinator_rank
+
+    # -- raw object collectives --------------------------------------------------------------
+    def all_gather_object(self, obj: T) -> List[T]:
+        if not self.use_dist:
+            return [obj]
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: T) -> Optional[List[T]]:
+        if not self.use_dist:
+            return [obj]
+        out: Optional[List[Any]] = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global(self.coordinator_rank), group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Optional[T]) -> T:
+        if not self.use_dist:
+            return obj  # type: ignore[return-value]
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self.coordinator_rank), group=self.group)
+        return box[0]
+
+    def scatter_object(self, objs: Optional[List[T]]) -> T:
+        if not self.use_dist:
+            return objs[0]  # type: ignore[index]
+        out: List[Any] = [None]
+        dist.scatter_object_list(out, objs if self.is_coordinator else None,
+                                 src=self._global(self.coordinator_rank), group=self.group)
+        return out[0]
+
+    def all_reduce_min(self, value: int) -> int:
+        if not self.use_dist:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        if dist.get_backend(self.group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    # -- failure-propagating steps ------------------------------------------------------------
+    def _run(self, fn: Callable[[], T]) -> "tuple[Any, Optional[RankFailure], Optional[BaseException]]":
+        try:
+            return fn(), None, None
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - must reach the other ranks
+            if isinstance(exc, CheckpointException):  # torch's is a BaseException: never let it out
+                exc = CheckpointingException(f"torch.distributed.checkpoint failed: {exc}")
+            return None, RankFailure.capture(self.rank, exc), exc
+
+    def exchange(self, fn: Callable[[], T], share: Callable[[T], Any] = lambda _: None) -> "tuple[T, List[Any]]":
+        """Run ``fn`` on every rank and all-gather ``share(result)``; if ``fn`` failed
+        anywhere, every rank raises the same error. Returns (local result, shared list)."""
+        value, failure, exc = self._run(fn)
+        shared = None if failure is not None else share(value)
+        outcomes = self.all_gather_object((shared, failure))
+        _raise_first([f for _, f in outcomes if f is not None], exc)
+        return value, [s for s, _ in outcomes]
+
+    def all_run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere."""
+        value, failure, exc = self._run(fn)
+        failures = [f for f in self.all_gather_object(failure) if f is not None]
+        _raise_first(failures, exc)
+        return value
+
+    def all_gather(self, fn: Callable[[], T]) -> List[T]:
+        """Run ``fn`` on every rank and give every rank all results (or the same error)."""
+        value, failure, exc = self._run(fn)
+        outcomes = self.all_gather_object((value, failure))
+        _raise_first([f for _, f in outcomes if f is not None], exc)
+        return [v for v, _ in outcomes]
+
+    def reduce_scatter(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], List[R]]) -> R:
+        """``local_fn`` everywhere, ``global_fn`` on the coordinator over all local results,
+        which returns one result per rank; each rank gets its own (or the same error)."""
+        value, failure, exc = self._run(local_fn)
+        gathered = self.gather_object((value, failure))
+        per_rank: Optional[List[Any]] = None
+        if self.is_coordinator:
+            failures = [f for _, f in gathered if f is not None]
+            if not failures:
+                results, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
+                if g_failure is not None:
+                    failures = [g_failure]
+                else:
+                    per_rank = [(r, None) for r in results]
+            if failures:
+                per_rank = [(None, failures)] * self.world_size
+        mine, failures = self.scatter_object(per_rank)
+        _raise_first(failures or [], exc)
+        return mine
+
+    def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:
+        """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the
+        error of any step on any rank) is broadcast to all."""
+        value, failure, exc = self._run(local_fn)
+        gathered = self.gather_object((value, failure))
+        outcome: Any = None
+        if self.is_coordinator:
+            failures = [f for _, f in gathered if f is not None]
+            if not failures:
+                result, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
+                failures = [g_failure] if g_failure is not None else []
+                outcome = (result, failures)
+            else:
+                outcome = (None, failures)
+        result, failures = self.broadcast_object(outcome)
+        _raise_first(failures, exc)
+        return result

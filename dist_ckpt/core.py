@@ -1,0 +1,183 @@
+"""Exception hierarchy and the checkpoint's ``metadata.json`` (``CheckpointingConfig``).
+
+``metadata.json`` is the commit marker of a checkpoint: it is written last, by the
+coordinator, atomically (temp file, fsync, rename, fsync of the directory), only after every
+rank's data is durable. A directory without it is not a checkpoint, whatever else it holds.
+
+Megatron-Core builds a dataclass from the whole JSON dict, so unknown keys would break it:
+the file holds exactly the four fields below and nothing of ours.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional, Union
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CheckpointingException",
+    "CheckpointNotFoundError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "ShardingError",
+    "MismatchError",
+    "KeyMismatchError",
+    "UnknownStrategyError",
+    "DuplicateStrategyError",
+    "StrategyCompatibilityError",
+    "UnsafePickleError",
+    "CheckpointingConfig",
+    "CONFIG_FNAME",
+    "save_config",
+    "maybe_load_config",
+    "check_is_distributed_checkpoint",
+    "fsync_directory",
+    "atomic_write_bytes",
+]
+
+CONFIG_FNAME = "metadata.json"
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointingException(Exception):
+    """Base class of every error dist_ckpt raises (same name as in Megatron-Core)."""
+
+
+class CheckpointNotFoundError(CheckpointingException, FileNotFoundError):
+    """The directory does not exist or holds no complete (committed) checkpoint."""
+
+    def __str__(self) -> str:  # FileNotFoundError would otherwise format errno-style
+        return str(self.args[0]) if self.args else ""
+
+
+class CheckpointExistsError(CheckpointingException, FileExistsError):
+    """A save targets a directory that already holds a committed checkpoint."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CorruptCheckpointError(CheckpointingException, ValueError):
+    """A checkpoint file is unreadable, truncated or inconsistent with its metadata."""
+
+
+class ShardingError(CheckpointingException, ValueError):
+    """The sharding described by the ranks is invalid: bad mapping, gap, overlap, disagreement."""
+
+
+class MismatchError(CheckpointingException, ValueError):
+    """The loader asks for a global shape or dtype other than the checkpoint holds."""
+
+
+class KeyMismatchError(CheckpointingException, KeyError):
+    """Keys requested on load are not in the checkpoint (or the reverse, in strict modes)."""
+
+    def __str__(self) -> str:  # KeyError would otherwise show repr() of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownStrategyError(CheckpointingException, KeyError):
+    """No strategy is registered for an (action, backend, version) key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateStrategyError(CheckpointingException, ValueError):
+    """A strategy is already registered for that key (and ``override`` was not given)."""
+
+
+class StrategyCompatibilityError(CheckpointingException, ValueError):
+    """A strategy was asked to read a checkpoint of another backend or version."""
+
+
+class UnsafePickleError(CheckpointingException, ValueError):
+    """A pickle references a global outside the allowlist; nothing from it was executed."""
+
+
+@dataclass(frozen=True)
+class CheckpointingConfig:
+    """The content of ``metadata.json``: which strategies can read the checkpoint."""
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("sharded_backend", "common_backend"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise CorruptCheckpointError(
+                    f"{CONFIG_FNAME}: field {name!r} must be a non-empty string, got {value!r}"
+                )
+        for name in ("sharded_backend_version", "common_backend_version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise CorruptCheckpointError(
+                    f"{CONFIG_FNAME}: field {name!r} must be a non-negative integer, got {value!r}"
+                )
+
+
+def fsync_directory(path: PathLike) -> None:
+    """Make a directory's entries (new or renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
+    """Commit a checkpoint by writing its ``metadata.json`` (durably, atomically)."""
+    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(asdict(config)).encode())
+
+
+def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
+    """Read ``metadata.json``; None if the file is absent, a typed error if it is broken."""
+    config_path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not config_path.is_file():
+        return None
+    raw = config_path.read_bytes()
+    if len(raw) > 1 << 20:
+        raise CorruptCheckpointError(f"{config_path} is {len(raw)} bytes, not a dist_ckpt config")
+    try:
+        content = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(
+            f"{config_path} is not valid JSON ({e}); the checkpoint was not committed "
+            f"properly or the file was damaged"
+        ) from None
+    if not isinstance(content, dict):
+        raise CorruptCheckpointError(f"{config_path} must hold a JSON object, got {type(content).__name__}")
+    known = {f.name for f in fields(CheckpointingConfig)}
+    unknown = sorted(set(content) - known)
+    if unknown:
+        raise CorruptCheckpointError(
+            f"{config_path} has unknown fields {unknown}; expected only {sorted(known)}"
+        )
+    if "sharded_backend" not in content:
+        raise CorruptCheckpointError(f"{config_path} lacks the required field 'sharded_backend'")
+    return CheckpointingConfig(**content)
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
+    """True if ``checkpoint_dir`` holds a committed checkpoint (a ``metadata.json``)."""
+    return (Path(checkpoint_dir) / CONFIG_FNAME).is_file()

@@ -1,0 +1,170 @@
+"""Traversal of nested state dicts (dicts and lists nested to any depth).
+
+The same helpers (and names) as Megatron-Core's ``dict_utils``, so code that manipulates
+sharded state dicts ports unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Tuple, Union
+
+import torch
+
+__all__ = [
+    "extract_matching_values",
+    "nested_values",
+    "nested_items_iter",
+    "dict_list_map_inplace",
+    "dict_list_map_outplace",
+    "merge",
+    "diff",
+    "tensors_bitwise_equal",
+]
+
+Nested = Union[dict, list, Any]
+
+
+def extract_matching_values(
+    x: Nested, predicate: Callable[[Any], bool], return_lists_as_dicts: bool = False
+) -> Tuple[Nested, Nested]:
+    """Split ``x`` into (matching, non-matching) nested structures by a leaf predicate.
+
+    Containers that end up empty are dropped from the side they are empty on. Lists keep
+    their order; with ``return_lists_as_dicts`` they become ``{index: value}`` dicts so that
+    a later ``merge`` can put leaves back at their original positions.
+    """
+
+    def _set(container, k, v):
+        if return_lists_as_dicts or isinstance(container, dict):
+            container[k] = v
+        else:
+            container.append(v)
+
+    if isinstance(x, dict):
+        matching, nonmatching = {}, {}
+        items = x.items()
+    elif isinstance(x, list):
+        matching = {} if return_lists_as_dicts else []
+        nonmatching = {} if return_lists_as_dicts else []
+        items = enumerate(x)
+    else:
+        raise TypeError(f"Unexpected top-level object type: {type(x)}")
+
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            m, nm = extract_matching_values(v, predicate, return_lists_as_dicts)
+            if m:
+                _set(matching, k, m)
+            if nm:
+                _set(nonmatching, k, nm)
+        elif predicate(v):
+            _set(matching, k, v)
+        else:
+            _set(nonmatching, k, v)
+    return matching, nonmatching
+
+
+def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any]]:
+    """Yield (key-or-index, leaf) pairs of every leaf of ``x``."""
+    items = x.items() if isinstance(x, dict) else enumerate(x)
+    for k, v in items:
+        if isinstance(v, (dict, list)):
+            yield from nested_items_iter(v)
+        else:
+            yield k, v
+
+
+def nested_values(x: Nested) -> Iterator[Any]:
+    """Yield every leaf of ``x``."""
+    for _, v in nested_items_iter(x):
+        yield v
+
+
+def dict_list_map_inplace(f: Callable[[Any], Any], x: Nested) -> Nested:
+    """Replace every leaf ``v`` of ``x`` by ``f(v)``, in place; returns ``x``."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            x[k] = dict_list_map_inplace(f, v)
+    elif isinstance(x, list):
+        x[:] = (dict_list_map_inplace(f, v) for v in x)
+    else:
+        return f(x)
+    return x
+
+
+def dict_list_map_outplace(f: Callable[[Any], Any], x: Nested) -> Nested:
+    """A copy of the nested structure ``x`` with every leaf ``v`` replaced by ``f(v)``."""
+    if isinstance(x, dict):
+        return {k: dict_list_map_outplace(f, v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [dict_list_map_outplace(f, v) for v in x]
+    return f(x)
+
+
+def merge(x1: Nested, x2: Nested, key: Tuple = ()) -> Nested:
+    """Merge ``x2`` into ``x1`` in place (dicts by key, lists by position or int dict keys)."""
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                x1[k] = v2
+            else:
+                x1[k] = merge(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ValueError(
+                f"Cannot merge two lists of different lengths ({len(x1)} and {len(x2)}) at key {key}"
+            )
+        for i, v2 in enumerate(x2):
+            x1[i] = merge(x1[i], v2, key=key + (i,))
+    elif isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not isinstance(k, int) or not 0 <= k < len(x1):
+                raise ValueError(f"Dict key {k!r} is not an index of the list at key {key}")
+            x1[k] = merge(x1[k], v2, key=key + (k,))
+    else:
+        raise ValueError(f"Two non-container values at the same key {key}: {type(x1)} and {type(x2)}")
+    return x1
+
+
+def tensors_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (so NaNs and -0.0 compare by their bits)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    b_bytes = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(a_bytes, b_bytes)
+
+
+def diff(x1: Nested, x2: Nested, prefix: Tuple = ()) -> Tuple[list, list, list]:
+    """Compare two nested structures: (keys only in x1, keys only in x2, keys with different leaves).
+
+    Tensors are equal when they have the same dtype, shape and bytes (NaNs compare equal).
+    """
+    only_left, only_right, mismatch = [], [], []
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        only_left = [prefix + (k,) for k in x1.keys() - x2.keys()]
+        only_right = [prefix + (k,) for k in x2.keys() - x1.keys()]
+        for k in x1.keys() & x2.keys():
+            left, right, mism = diff(x1[k], x2[k], prefix + (k,))
+            only_left += left
+            only_right += right
+            mismatch += mism
+    elif isinstance(x1, list) and isinstance(x2, list):
+        only_left = [prefix + (i,) for i in range(len(x2), len(x1))]
+        only_right = [prefix + (i,) for i in range(len(x1), len(x2))]
+        for i, (v1, v2) in enumerate(zip(x1, x2)):
+            left, right, mism = diff(v1, v2, prefix + (i,))
+            only_left += left
+            only_right += right
+            mismatch += mism
+    elif isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor):
+        if not tensors_bitwise_equal(x1, x2):
+            mismatch.append((prefix, type(x1), type(x2)))
+    else:
+        try:
+            equal = bool(x1 == x2)
+        except Exception:
+            equal = False
+        if type(x1) is not type(x2) or not equal:
+            mismatch.append((prefix, type(x1), type(x2)))
+    return only_left, only_right, mismatch

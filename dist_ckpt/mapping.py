@@ -1,0 +1,531 @@
+"""Mapping objects: how a rank's local tensors and objects sit in the global checkpoint.
+
+A user replaces each tensor of their state dict by a ``ShardedTensor`` (usually through
+``ShardedTensor.from_rank_offsets``), each non-tensor shard by a ``ShardedObject``, and may
+use ``ShardedTensorFactory`` to transform a tensor into several before saving (and back after
+loading) or ``LocalNonpersistentObject`` to keep something out of the checkpoint. Names,
+fields and semantics follow Megatron-Core, so code ports by changing an import.
+
+Every object validates itself on construction: a wrong mapping is a ``ShardingError`` naming
+the key, raised where the mistake is made rather than as corrupt data later.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from .core import ShardingError
+from .dict_utils import dict_list_map_inplace
+from .geometry import Box, Piece
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ReplicaId",
+    "StateDict",
+    "ShardedStateDict",
+    "ShardedBase",
+    "ShardedTensor",
+    "ShardedObject",
+    "ShardedTensorFactory",
+    "LocalNonpersistentObject",
+    "is_main_replica",
+    "apply_factories",
+    "apply_factory_merges",
+]
+
+ReplicaId = Union[int, Tuple[int, ...]]
+StateDict = Dict[str, Any]
+ShardedStateDict = Dict[str, Any]
+
+
+def is_main_replica(replica_id: ReplicaId) -> bool:
+    """The main replica (the one that is saved) has replica id 0 or all zeros."""
+    if isinstance(replica_id, int):
+        return replica_id == 0
+    return all(r == 0 for r in replica_id)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+    try:
+        result = tuple(value)
+    except TypeError:
+        raise ShardingError(f"{what} of '{key}' must be a sequence of ints, got {value!r}") from None
+    if not all(_is_int(v) and v >= 0 for v in result):
+        raise ShardingError(f"{what} of '{key}' must hold non-negative ints, got {result}")
+    return result
+
+
+def _validate_replica_id(replica_id: Any, key: str) -> None:
+    ok = (_is_int(replica_id) and replica_id >= 0) or (
+        isinstance(replica_id, tuple) and all(_is_int(r) and r >= 0 for r in replica_id)
+    )
+    if not ok:
+        raise ShardingError(
+            f"replica_id of '{key}' must be a non-negative int or a tuple of them, got {replica_id!r}"
+        )
+
+
+class ShardedBase:
+    """Common base of everything a sharded state dict may hold that the checkpoint resolves."""
+
+    key: str
+    data: object
+    replica_id: ReplicaId
+
+    def validate_metadata_integrity(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def without_data(self) -> "ShardedBase":  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+@dataclass
+class ShardedTensor(ShardedBase):
+    """A local tensor and where it sits in a global tensor.
+
+    Args:
+        key: unique name of the global tensor.
+        data: the local tensor (None only for metadata, e.g. from ``without_data``).
+        dtype: dtype of the global tensor.
+        local_shape: shape of the local box (before flattening).
+        global_shape: shape of the global tensor, prepended axes included.
+        global_offset: offset of the local box in the global tensor, in elements.
+        axis_fragmentations: number of chunks along each global axis for a regular grid,
+            or None for uneven splits.
+        replica_id: 0 (or all zeros) for the main replica, the one that gets saved.
+        prepend_axis_num: leading global axes the local tensor lacks (e.g. the layer axis of
+            per-layer tensors stacked into one global tensor); the local tensor behaves as if
+            unsqueezed that many times.
+        allow_shape_mismatch: on load, the checkpoint's global shape may differ (e.g. padded
+            vocabularies); the overlap is loaded and the rest left as it is.
+        flattened_range: the local data holds only this range of the row-major flattening of
+            the local box (distributed optimizers).
+    """
+
+    key: str
+    data: Optional[torch.Tensor] = field(repr=False)
+    dtype: torch.dtype
+    local_shape: Tuple[int, ...]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    axis_fragmentations: Optional[Tuple[int, ...]]
+    replica_id: ReplicaId = 0
+    prepend_axis_num: int = 0
+    allow_shape_mismatch: bool = False
+    flattened_range: Optional[slice] = None
+
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        """Check the fields against each other; raises ``ShardingError`` naming the key."""
+        key = self.key
+        if not isinstance(key, str) or not key:
+            raise ShardingError(f"ShardedTensor key must be a non-empty string, got {key!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ShardingError(f"dtype of '{key}' must be a torch.dtype, got {self.dtype!r}")
+        self.local_shape = _int_tuple(self.local_shape, "local_shape", key)
+        self.global_shape = _int_tuple(self.global_shape, "global_shape", key)
+        self.global_offset = _int_tuple(self.global_offset, "global_offset", key)
+        if not _is_int(self.prepend_axis_num) or self.prepend_axis_num < 0:
+            raise ShardingError(f"prepend_axis_num of '{key}' must be a non-negative int")
+        _validate_replica_id(self.replica_id, key)
+        ndim = len(self.global_shape)
+        if len(self.global_offset) != ndim:
+            raise ShardingError(
+                f"'{key}': global_offset {self.global_offset} and global_shape {self.global_shape} "
+                f"must have the same number of axes"
+            )
+        if len(self.local_shape) + self.prepend_axis_num != ndim:
+            raise ShardingError(
+                f"'{key}': local_shape {self.local_shape} plus prepend_axis_num="
+                f"{self.prepend_axis_num} must give the global number of axes ({ndim})"
+            )
+        box = self.global_box()
+        if not box.within(self.global_shape):
+            raise ShardingError(
+                f"'{key}': the local box at offset {self.global_offset} with shape {box.shape} "
+                f"does not fit in global shape {self.global_shape}"
+            )
+        if self.axis_fragmentations is not None:
+            self.axis_fragmentations = _int_tuple(self.axis_fragmentations, "axis_fragmentations", key)
+            if len(self.axis_fragmentations) != ndim or 0 in self.axis_fragmentations:
+                raise ShardingError(
+                    f"'{key}': axis_fragmentations {self.axis_fragmentations} must give a positive "
+                    f"count for each of the {ndim} global axes (or be None for uneven splits)"
+                )
+            for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
+                if sh != 0 and off % sh != 0:
+                    raise ShardingError(
+                        f"'{key}': global offset {off} is not a multiple of the local size {sh}, "
+                        f"so this is not a regular grid; pass axis_fragmentations=None"
+                    )
+        local_numel = math.prod(self.local_shape)
+        if self.flattened_range is not None:
+            rng = self.flattened_range
+            if (
+                not isinstance(rng, slice)
+                or not _is_int(rng.start)
+                or not _is_int(rng.stop)
+                or rng.step not in (None, 1)
+                or not 0 <= rng.start <= rng.stop <= local_numel
+            ):
+                raise ShardingError(
+                    f"'{key}': flattened_range must be slice(start, stop) with "
+                    f"0 <= start <= stop <= {local_numel}, got {rng!r}"
+                )
+        if self.data is not None:
+            if not isinstance(self.data, torch.Tensor):
+                raise ShardingError(f"data of '{key}' must be a torch.Tensor, got {type(self.data)}")
+            if self.data.dtype != self.dtype:
+                raise ShardingError(f"'{key}': data dtype {self.data.dtype} differs from dtype {self.dtype}")
+            if self.flattened_range is None:
+                if tuple(self.data.shape) != self.local_shape:
+                    raise ShardingError(
+                        f"'{key}': data shape {tuple(self.data.shape)} differs from local_shape "
+                        f"{self.local_shape}"
+                    )
+            elif self.data.ndim != 1 or self.data.numel() != self.flattened_range.stop - self.flattened_range.start:
+                raise ShardingError(
+                    f"'{key}': flattened data must be 1-D with {self.flattened_range.stop - self.flattened_range.start} "
+                    f"elements (the flattened_range), got shape {tuple(self.data.shape)}"
+                )
+
+    # -- geometry -------------------------------------------------------------------------
+    def global_box(self) -> Box:
+        """The local box in global coordinates (prepended axes have extent 1)."""
+        return Box(self.global_offset, (1,) * self.prepend_axis_num + self.local_shape)
+
+    def piece(self) -> Piece:
+        """The part of the global tensor this shard holds (box, or flat range of the box)."""
+        if self.flattened_range is None:
+            return Piece(self.global_box())
+        return Piece(self.global_box(), self.flattened_range.start, self.flattened_range.stop)
+
+    @property
+    def has_regular_grid(self) -> bool:
+        return self.axis_fragmentations is not None
+
+    def global_slice(self) -> Tuple[Union[int, slice], ...]:
+        """Index of the local box in the global tensor (ints for prepended axes)."""
+        p = self.prepend_axis_num
+        return tuple(self.global_offset[:p]) + tuple(
+            slice(off, off + sh) for off, sh in zip(self.global_offset[p:], self.local_shape)
+        )
+
+    def local_chunk_offset_in_global(self) -> Tuple[int, ...]:
+        """Index of the local chunk in the grid of chunks (regular grids only)."""
+        p = self.prepend_axis_num
+        chunk_offset = list(self.global_offset[:p])
+        for off, sh in zip(self.global_offset[p:], self.local_shape):
+            if sh == 0 or off % sh:
+                raise ShardingError(f"'{self.key}' is not on a regular grid: offset {off}, size {sh}")
+            chunk_offset.append(off // sh)
+        return tuple(chunk_offset)
+
+    def max_allowed_chunks(self) -> Tuple[int, ...]:
+        """Chunk size of the regular grid along each global axis."""
+        if self.axis_fragmentations is None:
+            raise ShardingError(f"'{self.key}' has no regular grid (axis_fragmentations is None)")
+        chunks = []
+        for axis_sh, axis_fragm in zip(self.global_shape, self.axis_fragmentations):
+            if not self.allow_shape_mismatch and axis_sh % axis_fragm:
+                raise ShardingError(
+                    f"'{self.key}': axis size {axis_sh} is not divisible by its fragmentation {axis_fragm}"
+                )
+            chunks.append(axis_sh // axis_fragm)
+        return tuple(chunks)
+
+    # -- data -----------------------------------------------------------------------------
+    def without_data(self) -> "ShardedTensor":
+        return replace(self, data=None)
+
+    def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
+        """Allocate ``data`` (only if it is None) with ``init_fn(shape, dtype=, device=)``."""
+        if self.data is not None:
+            return
+        if self.flattened_range is None:
+            shape: Tuple[int, ...] = self.local_shape
+        else:
+            shape = (self.flattened_range.stop - self.flattened_range.start,)
+        self.data = init_fn(shape, dtype=self.dtype, device=device)
+
+    def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
+        """Like ``torch.narrow`` on every rank's local tensor, as a ShardedTensor of the result.
+
+        ``dim`` excludes prepended axes. The global tensor shrinks by the same proportion, so
+        the grid must be regular along ``dim``. For a flattened tensor only ``dim=0`` keeps
+        the data a single contiguous view; the result has 0 or 1 elements then.
+        """
+        if not 0 <= dim < len(self.local_shape):
+            raise ShardingError(f"'{self.key}': narrow dim {dim} outside local axes {self.local_shape}")
+        local_len = self.local_shape[dim]
+        if not (0 <= start and length >= 0 and start + length <= local_len):
+            raise ShardingError(f"'{self.key}': narrow [{start}, {start + length}) outside axis of size {local_len}")
+        gdim = dim + self.prepend_axis_num
+        if local_len == 0 or self.global_shape[gdim] % local_len or self.global_offset[gdim] % local_len:
+            raise ShardingError(
+                f"'{self.key}': narrowing needs a regular grid along axis {dim}, got global size "
+                f"{self.global_shape[gdim]}, offset {self.global_offset[gdim]}, local size {local_len}"
+            )
+        global_shape = list(self.global_shape)
+        global_offset = list(self.global_offset)
+        global_shape[gdim] = self.global_shape[gdim] // local_len * length
+        global_offset[gdim] = self.global_offset[gdim] // local_len * length
+        local_shape = list(self.local_shape)
+        local_shape[dim] = length
+        common = dict(
+            local_shape=tuple(local_shape), global_shape=tuple(global_shape), global_offset=tuple(global_offset)
+        )
+        if self.flattened_range is None:
+            data = None if self.data is None else self.data.narrow(dim, start, length)
+            return [replace(self, data=data, **common)]
+        if dim != 0:
+            raise ShardingError(
+                f"'{self.key}': a flattened ShardedTensor can only be narrowed along dim 0 "
+                f"(other dims would split its data into non-contiguous pieces)"
+            )
+        inner = math.prod(self.local_shape[1:])
+        lo = max(self.flattened_range.start, start * inner)
+        hi = min(self.flattened_range.stop, (start + length) * inner)
+        if hi <= lo:
+            return []
+        data = None
+        if self.data is not None:
+            data = self.data[lo - self.flattened_range.start : hi - self.flattened_range.start]
+        new_range = slice(lo - start * inner, hi - start * inner)
+        return [replace(self, data=data, flattened_range=new_range, **common)]
+
+    # -- constructors ---------------------------------------------------------------------
+    @classmethod
+    def from_rank_offsets(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        *rank_offsets: Tuple[int, int, int],
+        replica_id: ReplicaId = 0,
+        prepend_axis_num: int = 0,
+        flattened_range: None = None,
+        **init_kwargs: Any,
+    ) -> "ShardedTensor":
+        """Build from ``(axis, rank_offset, fragments)`` triples: along global ``axis`` the
+        tensor is cut into ``fragments`` equal chunks and ``data`` is chunk ``rank_offset``."""
+        if flattened_range is not None:
+            raise ShardingError(
+                f"'{key}': from_rank_offsets does not take flattened_range; use from_rank_offsets_flat"
+            )
+        if not isinstance(data, torch.Tensor):
+            raise ShardingError(f"data of '{key}' must be a torch.Tensor, got {type(data)}")
+        if not _is_int(prepend_axis_num) or prepend_axis_num < 0:
+            raise ShardingError(f"prepend_axis_num of '{key}' must be a non-negative int")
+        ndim = data.ndim + prepend_axis_num
+        global_offset = [0] * ndim
+        global_shape = [1] * prepend_axis_num + list(data.shape)
+        axis_fragmentations = [1] * ndim
+        seen_axes = set()
+        for triple in rank_offsets:
+            if not (isinstance(triple, tuple) and len(triple) == 3 and all(_is_int(v) for v in triple)):
+                raise ShardingError(f"'{key}': rank offsets must be (axis, rank_offset, fragments), got {triple!r}")
+            axis, axis_rank_offset, axis_fragm = triple
+            if not (0 <= axis < ndim and axis_fragm >= 1 and 0 <= axis_rank_offset < axis_fragm):
+                raise ShardingError(
+                    f"'{key}': invalid rank offsets {triple} for a tensor with {ndim} global axes "
+                    f"(need 0 <= axis < {ndim}, fragments >= 1, 0 <= rank_offset < fragments)"
+                )
+            if axis in seen_axes:
+                raise ShardingError(f"'{key}': axis {axis} appears twice in rank offsets {rank_offsets}")
+            seen_axes.add(axis)
+            local_axis_shape = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
+            global_shape[axis] = axis_fragm * local_axis_shape
+            global_offset[axis] = axis_rank_offset * local_axis_shape
+            axis_fragmentations[axis] = axis_fragm
+        return cls(
+            key,
+            data,
+            data.dtype,
+            tuple(data.shape),
+            tuple(global_shape),
+            tuple(global_offset),
+            tuple(axis_fragmentations),
+            replica_id,
+            prepend_axis_num,
+            **init_kwargs,
+        )
+
+    @classmethod
+    def from_rank_offsets_flat(
+        cls,
+        key: str,
+        data: torch.Tensor,
+        non_flat_local_shape: Tuple[int, ...],
+        *args: Tuple[int, int, int],
+        flattened_range: Optional[slice] = None,
+        **kwargs: Any,
+    ) -> "ShardedTensor":
+        """Like ``from_rank_offsets`` for a local box of ``non_flat_local_shape`` of which
+        ``data`` (1-D) holds only ``flattened_range`` of the row-major flattening."""
+        if flattened_range is None:
+            raise ShardingError(f"'{key}': from_rank_offsets_flat needs flattened_range")
+        if not isinstance(data, torch.Tensor) or data.ndim != 1:
+            raise ShardingError(f"'{key}': flattened data must be a 1-D torch.Tensor")
+        non_flat_local_shape = _int_tuple(non_flat_local_shape, "non_flat_local_shape", key)
+        meta = torch.empty(non_flat_local_shape, dtype=data.dtype, device="meta")
+        sharded = cls.from_rank_offsets(key, meta, *args, **kwargs)
+        return replace(sharded, data=data, flattened_range=flattened_range)
+
+
+@dataclass
+class ShardedObject(ShardedBase):
+    """A local object (anything picklable) as one shard of a global grid of objects.
+
+    Objects cannot be resharded: a loader asks for exactly the (offset, shape) it needs.
+    """
+
+    key: str
+    data: object
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    replica_id: ReplicaId = 0
+
+    def __post_init__(self) -> None:
+        self.validate_metadata_integrity()
+
+    def validate_metadata_integrity(self) -> None:
+        if not isinstance(self.key, str) or not self.key or "/" in self.key or self.key in (".", ".."):
+            raise ShardingError(
+                f"ShardedObject key must be a non-empty string without '/' (and not '.' or '..'), got {self.key!r}"
+            )
+        try:
+            self.global_shape = tuple(self.global_shape)
+            self.global_offset = tuple(self.global_offset)
+        except TypeError:
+            raise ShardingError(f"'{self.key}': global_shape and global_offset must be sequences of ints") from None
+        if not all(_is_int(v) for v in self.global_shape + self.global_offset):
+            raise ShardingError(f"'{self.key}': global_shape and global_offset must hold ints")
+        if len(self.global_shape) != len(self.global_offset):
+            raise ShardingError(
+                f"'{self.key}': global_offset {self.global_offset} and global_shape {self.global_shape} "
+                f"must have the same number of axes"
+            )
+        for off, sh in zip(self.global_offset, self.global_shape):
+            if off < 0 or (sh >= 0 and off >= sh):  # sh == -1: unknown, from a legacy key
+                raise ShardingError(
+                    f"'{self.key}': offset {self.global_offset} outside global shape {self.global_shape}"
+                )
+        _validate_replica_id(self.replica_id, self.key)
+
+    def without_data(self) -> "ShardedObject":
+        return replace(self, data=None)
+
+    @property
+    def unique_key(self) -> str:
+        """``{key}/shard_{offset}_{shape}``, the name under which the shard is stored."""
+        return (
+            f"{self.key}/shard_"
+            f"{'.'.join(map(str, self.global_offset))}_"
+            f"{'.'.join(map(str, self.global_shape))}"
+        )
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}(key='{self.key}')"
+
+    @classmethod
+    def empty_from_unique_key(cls, unique_key: str, replica_id: ReplicaId = 0) -> "ShardedObject":
+        """Parse ``key/shard_<offset>_<shape>``. Old Megatron keys lack the last shape axis
+        (one fewer number than the offset): it is set to -1 (unknown)."""
+        try:
+            key, shard_key = unique_key.rsplit("/", 1)
+            shard_str, offset_str, shape_str = shard_key.split("_")
+            if shard_str != "shard":
+                raise ValueError
+            offset = tuple(map(int, offset_str.split(".")))
+            shape = tuple(map(int, shape_str.split(".")))
+        except ValueError:
+            raise ShardingError(
+                f"'{unique_key}' is not a ShardedObject key of the form <key>/shard_<offset>_<shape>"
+            ) from None
+        if len(shape) + 1 == len(offset):
+            shape += (-1,)
+        return cls(key, None, shape, offset, replica_id)
+
+
+FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]
+FactoryMergeFn = Callable[[StateDict], torch.Tensor]
+
+
+@dataclass
+class ShardedTensorFactory(ShardedBase):
+    """Turns one tensor into a sharded sub-state-dict on save (``build_fn``) and the loaded
+    sub-state-dict back into one tensor on load (``merge_fn``), e.g. to split a fused tensor
+    so that each part reshards on its own."""
+
+    key: str
+    data: torch.Tensor
+    build_fn: FactoryBuildFn
+    merge_fn: FactoryMergeFn
+    replica_id: ReplicaId = 0
+    flattened_range: Optional[slice] = None
+
+    def build(self) -> ShardedStateDict:
+        return self.build_fn(self.key, self.data, self.replica_id, self.flattened_range)
+
+    def validate_metadata_integrity(self) -> None:
+        """Nothing to check before ``build``; what it builds validates itself."""
+
+    def without_data(self) -> "ShardedTensorFactory":
+        return replace(self, data=None)
+
+
+class LocalNonpersistentObject:
+    """An object kept out of the checkpoint: on load, this local value is put back as is."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def unwrap(self) -> Any:
+        return self.obj
+
+
+def apply_factories(sharded_state_dict: ShardedStateDict) -> None:
+    """Replace every ``ShardedTensorFactory`` by what it builds, in place."""
+
+    def apply(x: Any) -> Any:
+        return x.build() if isinstance(x, ShardedTensorFactory) else x
+
+    dict_list_map_inplace(apply, sharded_state_dict)
+
+
+def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
+    """Merge loaded sub-state-dicts ``x1`` back through the factories found in ``x2``, in place."""
+    if isinstance(x2, ShardedTensorFactory):
+        return x2.merge_fn(x1)
+    if isinstance(x1, dict) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if k not in x1:
+                raise ShardingError(
+                    f"Factory merge: key {key + (k,)} is missing from the loaded state dict"
+                )
+            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
+    elif isinstance(x1, list) and isinstance(x2, list):
+        if len(x1) != len(x2):
+            raise ShardingError(f"Factory merge: lists of lengths {len(x1)} and {len(x2)} at key {key}")
+        for i, v2 in enumerate(x2):
+            x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
+    elif isinstance(x1, list) and isinstance(x2, dict):
+        for k, v2 in x2.items():
+            if not _is_int(k) or not 0 <= k < len(x1):
+                raise ShardingError(f"Factory merge: {k!r} is not an index of the list at key {key}")
+            x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
+    else:
+        raise ShardingError(f"Factory merge: unexpected values at key {key}: {type(x1)} and {type(x2)}")
+    return x1

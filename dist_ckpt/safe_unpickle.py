@@ -1,0 +1,225 @@
+"""Loading pickles without running code they were handed.
+
+Checkpoints come from other people and other machines. Every pickle dist_ckpt reads
+(``common.pt``, ShardedObject blobs, the DCP ``.metadata``) goes through an allowlist: the
+types real Megatron-Core / NeMo / torchtitan checkpoints hold (``argparse.Namespace``, torch
+dtypes and sizes, numpy RNG states, paths, the DCP metadata classes). Anything else stops the
+load with ``UnsafePickleError`` naming the global, before it is imported or called.
+
+Two explicit opt-ins, for files one trusts:
+  * ``add_safe_globals([MyEnum, ...])`` extends the allowlist (like torch's function);
+  * ``with trusted_unpickling(): ...`` loads everything unrestricted inside the block.
+
+``torch.save`` files go through torch's own weights-only unpickler with our allowlist added;
+plain pickles (DCP ``.metadata``) through a ``pickle.Unpickler`` whose ``find_class`` only
+returns allowlisted objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import logging
+import pathlib
+import pickle
+import re
+import threading
+import types
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Union
+
+import numpy as np
+import torch
+
+from .core import CorruptCheckpointError, UnsafePickleError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "add_safe_globals",
+    "get_safe_globals",
+    "trusted_unpickling",
+    "is_trusted_unpickling",
+    "safe_torch_load",
+    "safe_pickle_load",
+]
+
+_lock = threading.Lock()
+_trust_depth = 0
+_user_globals: List[Any] = []
+
+
+def _numpy_globals() -> List[Any]:
+    """What ``np.random.get_state()`` and small arrays pickle to, across numpy 1.x and 2.x."""
+    out: List[Any] = [np.ndarray, np.dtype]
+    core = getattr(np, "_core", None) or np.core
+    out += [(core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct")]
+    out += [(core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct")]
+    out += [(core.multiarray.scalar, "numpy.core.multiarray.scalar")]
+    out += [(core.multiarray.scalar, "numpy._core.multiarray.scalar")]
+    for name in dir(np.dtypes):
+        obj = getattr(np.dtypes, name)
+        if isinstance(obj, type) and issubclass(obj, np.dtype):
+            out.append(obj)
+    return out
+
+
+def _builtin_globals() -> List[Any]:
+    """The allowlist for ``torch.save`` files, on top of torch's weights-only defaults."""
+    return [
+        argparse.Namespace,
+        types.SimpleNamespace,
+        collections.OrderedDict,
+        collections.defaultdict,
+        collections.deque,
+        collections.Counter,
+        pathlib.Path,
+        pathlib.PosixPath,
+        pathlib.PurePosixPath,
+        pathlib.WindowsPath,
+        pathlib.PureWindowsPath,
+        (pathlib.PurePosixPath, "pathlib._local.PurePosixPath"),
+        (pathlib.PosixPath, "pathlib._local.PosixPath"),
+        *_numpy_globals(),
+    ]
+
+
+def add_safe_globals(safe_globals: Iterable[Any]) -> None:
+    """Allow more types (classes, or ``(object, "module.name")`` pairs) in every load."""
+    with _lock:
+        _user_globals.extend(safe_globals)
+
+
+def get_safe_globals() -> List[Any]:
+    """Everything dist_ckpt allows on top of torch's weights-only defaults."""
+    return _builtin_globals() + list(_user_globals)
+
+
+@contextlib.contextmanager
+def trusted_unpickling() -> Iterator[None]:
+    """Within this block, pickles load unrestricted (they may run code: trust the files)."""
+    global _trust_depth
+    with _lock:
+        _trust_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _trust_depth -= 1
+
+
+def is_trusted_unpickling() -> bool:
+    return _trust_depth > 0
+
+
+_OPT_IN_HINT = (
+    "If you trust this checkpoint, allow the type with dist_ckpt.add_safe_globals([<type>]) or load "
+    "inside `with dist_ckpt.trusted_unpickling():` (which lets the file run code)."
+)
+_GLOBAL_RE = re.compile(
+    r"GLOBAL (\S+) was not an allowed global|unsupported GLOBAL (\S+) whose module"
+    r"|unrecognized function (.+?)(?: which|$)|but got (.+)$",
+    re.MULTILINE,
+)
+
+
+_REFUSAL_MARKERS = ("not an allowed global", "unrecognized function", "Can only create new object", "is blocked")
+_LOAD_ERRORS = (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, TypeError, AttributeError, IndexError, KeyError)
+
+
+def _translate(what: str, exc: BaseException) -> Exception:
+    """Our error for a failed unpickling: refused global, or damaged data."""
+    # torch wraps the useful line between boilerplate paragraphs: keep the informative one
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith(("Weights only load failed", "Check the documentation", "Please file"))]
+    detail = (useful or lines or [""])[0]
+    if isinstance(exc, pickle.UnpicklingError) and any(m in str(exc) for m in _REFUSAL_MARKERS):
+        match = _GLOBAL_RE.search(str(exc))
+        name = next((g for g in match.groups() if g), None) if match else None
+        named = f"references {name!r}, which is not in dist_ckpt's allowlist" if name else f"was refused ({detail})"
+        return UnsafePickleError(f"{what} {named}; nothing from it was executed. {_OPT_IN_HINT}")
+    return CorruptCheckpointError(
+        f"{what} is truncated or corrupt and cannot be unpickled ({type(exc).__name__}: {detail})"
+    )
+
+
+def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str, **kwargs: Any) -> Any:
+    """``torch.load`` to CPU with the allowlist; ``what`` names the file/item in errors."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(source)
+    if is_trusted_unpickling():
+        return torch.load(source, map_location="cpu", weights_only=False, **kwargs)
+    try:
+        with torch.serialization.safe_globals(get_safe_globals()):
+            return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+    except _LOAD_ERRORS as e:
+        raise _translate(what, e) from None
+
+
+def _plain_pickle_allowlist() -> Dict[str, Any]:
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.distributed.checkpoint.planner as dcp_planner
+
+    allowed: Dict[str, Any] = {}
+    for module in (dcp_md, dcp_planner):
+        for name in getattr(module, "__all__", None) or dir(module):
+            obj = getattr(module, name, None)
+            if isinstance(obj, type) and obj.__module__ == module.__name__:
+                allowed[f"{module.__name__}.{name}"] = obj
+    allowed["torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"] = dcp_md._MEM_FORMAT_ENCODING
+    allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
+    allowed["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
+    allowed["torch.Size"] = torch.Size
+    allowed["torch.serialization._get_layout"] = torch.serialization._get_layout
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            allowed[f"torch.{name}"] = obj
+    for obj in (collections.OrderedDict, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.Path, pathlib.WindowsPath):
+        allowed[f"{obj.__module__}.{obj.__qualname__}"] = obj
+        allowed[f"pathlib.{obj.__qualname__}"] = obj
+    allowed["copyreg._reconstructor"] = __import__("copyreg")._reconstructor
+    allowed["builtins.object"] = object
+    for name in ("set", "frozenset", "slice", "complex", "bytearray", "range"):
+        allowed[f"builtins.{name}"] = getattr(__import__("builtins"), name)
+    # Placeholders Megatron-Core pickled into some .metadata files (its own "dummy" classes).
+    for name in ("MCoreMetadata", "MCoreSavePlan"):
+        allowed[f"megatron.core.dist_checkpointing.strategies.torch.{name}"] = _placeholder_class(name)
+    return allowed
+
+
+def _placeholder_class(name: str) -> type:
+    return type(name, (), {"__module__": __name__})
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: IO[bytes], allowed: Dict[str, Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in self._allowed:
+            return self._allowed[full]
+        raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
+
+
+_plain_allowlist_cache: Dict[str, Any] = {}
+
+
+def safe_pickle_load(file: IO[bytes], what: str) -> Any:
+    """``pickle.load`` restricted to the allowlist; ``what`` names the file in errors."""
+    if is_trusted_unpickling():
+        return pickle.load(file)
+    if not _plain_allowlist_cache:
+        _plain_allowlist_cache.update(_plain_pickle_allowlist())
+    allowed = dict(_plain_allowlist_cache)
+    for entry in get_safe_globals():
+        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        allowed.setdefault(name, obj)
+    try:
+        return _RestrictedUnpickler(file, allowed).load()
+    except _LOAD_ERRORS as e:
+        raise _translate(what, e) from None

@@ -1,0 +1,383 @@
+"""``save`` / ``load`` and the ``load_*`` helpers: orchestration only, no format code.
+
+Strategies come from the registry (``strategies.base``), never by importing a backend. Each
+step that involves other ranks goes through ``DistWrapper``, so an error on one rank is
+raised, identically, on all of them.
+
+Commit protocol of ``save``: (1) the coordinator refuses a directory that already holds a
+committed checkpoint, creates it, and validates the sharding of all ranks - before any byte
+is written; (2) common state and data are written and fsynced; (3) only then does the
+coordinator write ``metadata.json``. A save that dies midway leaves a directory without
+``metadata.json``, which every load refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, List, Optional, Set, Tuple, Union
+
+from .collectives import DistWrapper
+from .core import (
+    CONFIG_FNAME,
+    CheckpointExistsError,
+    CheckpointingConfig,
+    CheckpointingException,
+    CheckpointNotFoundError,
+    check_is_distributed_checkpoint,
+    maybe_load_config,
+    save_config,
+)
+from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from .strategies.async_utils import AsyncRequest
+from .strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    resolve_strategy,
+)
+from .validation import (
+    StrictHandling,
+    determine_mismatched_keys,
+    parse_strict_flag,
+    report_mismatched_keys,
+    validate_sharding_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "save",
+    "load",
+    "load_common_state_dict",
+    "load_tensors_metadata",
+    "load_sharded_metadata",
+    "load_plain_tensors",
+    "remove_sharded_tensors",
+    "check_is_distributed_checkpoint",
+    "verify_checkpoint_and_load_strategy",
+    "DEFAULT_SAVE_BACKEND",
+]
+
+PathLike = Union[str, os.PathLike]
+DEFAULT_SAVE_BACKEND = ("torch_dist", 1)
+DEFAULT_COMMON_BACKEND = ("torch", 1)
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, ShardedBase)
+
+
+def _is_not_common(x: Any) -> bool:
+    return isinstance(x, (ShardedBase, LocalNonpersistentObject))
+
+
+def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, StateDict]:
+    """(sharded part, common part, nonpersistent part) after applying factories (in place).
+
+    The sharded and nonpersistent parts keep list positions (lists become {index: value});
+    the common part is compacted, as Megatron-Core writes it to common.pt.
+    """
+    apply_factories(sharded_state_dict)
+    _, common = extract_matching_values(sharded_state_dict, _is_not_common)
+    sharded, _ = extract_matching_values(sharded_state_dict, _is_sharded, return_lists_as_dicts=True)
+    nonpersistent, _ = extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True
+    )
+    return sharded, common, nonpersistent
+
+
+def _has_common_leaf(template: Any) -> bool:
+    if isinstance(template, dict):
+        return any(_has_common_leaf(v) for v in template.values())
+    if isinstance(template, list):
+        return any(_has_common_leaf(v) for v in template)
+    return not _is_not_common(template)
+
+
+def _assemble(template: Any, common: Any, loaded: Any) -> Any:
+    """Put loaded values (positions kept) and the compacted common part back together in
+    the shape of ``template`` (the request), so lists mixing both come out in order."""
+    if isinstance(template, dict):
+        out = dict(common) if isinstance(common, dict) else {}
+        for k, t in template.items():
+            if isinstance(loaded, dict) and k in loaded:
+                out[k] = _assemble(t, out.get(k), loaded[k])
+        return out
+    if isinstance(template, list):
+        common_items = iter(common if isinstance(common, list) else [])
+        out_list = []
+        for i, t in enumerate(template):
+            c = next(common_items, None) if _has_common_leaf(t) else None
+            l = loaded.get(i) if isinstance(loaded, dict) else None
+            if l is None and c is None:
+                continue
+            out_list.append(c if l is None else _assemble(t, c, l))
+        return out_list
+    return loaded
+
+
+def _prepare_save_directory(checkpoint_dir: Path) -> None:
+    """Coordinator: refuse to overwrite a committed checkpoint, create the directory."""
+    if check_is_distributed_checkpoint(checkpoint_dir):
+        raise CheckpointExistsError(
+            f"{checkpoint_dir} already holds a committed checkpoint ({CONFIG_FNAME} exists); "
+            f"save to a new directory, or remove the old checkpoint first"
+        )
+    if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        raise CheckpointExistsError(f"{checkpoint_dir} exists and is not a directory")
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    leftovers = os.listdir(checkpoint_dir)
+    if leftovers:
+        logger.warning(
+            "%s is not empty but holds no committed checkpoint (%d entries, e.g. from an interrupted save); "
+            "files of the same names will be overwritten",
+            checkpoint_dir,
+            len(leftovers),
+        )
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+) -> Optional[AsyncRequest]:
+    """Save a sharded state dict from every rank into one checkpoint directory (collective).
+
+    Args:
+        sharded_state_dict: the state with ShardedTensors/ShardedObjects (and factories,
+            nonpersistent objects, plain values that go to the common part).
+        checkpoint_dir: target directory; created if missing; must not hold a committed
+            checkpoint.
+        sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
+            default ('torch_dist', 1) and ('torch', 1).
+        validate_access_integrity: check, before writing, that the main replicas of all ranks
+            cover every tensor exactly once and that ranks agree on dtypes and shapes.
+        async_sharded_save: return an ``AsyncRequest`` that writes the data and commits the
+            checkpoint when scheduled and finalized (see ``AsyncCallsQueue``).
+    """
+    dist = DistWrapper()
+    checkpoint_dir = Path(checkpoint_dir)
+    sharded_strategy = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
+    common_strategy = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
+    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        raise CheckpointingException(
+            f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded_strategy}"
+        )
+    sharded_part, common_state_dict, _ = _split_state_dict(sharded_state_dict)
+
+    def local_metadata() -> Optional[List[ShardedBase]]:
+        if not validate_access_integrity:
+            return None
+        return [sh.without_data() for sh in nested_values(sharded_part)]
+
+    def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> None:
+        _prepare_save_directory(checkpoint_dir)
+        if validate_access_integrity:
+            validate_sharding_integrity(global_metadata)
+
+    dist.all_reduce(local_metadata, prepare)
+
+    if not sharded_strategy.can_handle_sharded_objects:
+        objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+    else:
+        objects = {}
+
+    def write_common() -> None:
+        common_strategy.save_common(common_state_dict, checkpoint_dir)
+        if objects:
+            common_strategy.save_sharded_objects(objects, checkpoint_dir)
+
+    dist.all_run(write_common)
+
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
+
+    def commit() -> None:
+        def write_config() -> None:
+            if dist.is_coordinator:
+                save_config(config, checkpoint_dir)
+
+        dist.all_run(write_config)
+
+    if async_sharded_save:
+        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        request.add_finalize_fn(commit)
+        return request
+    if isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+        sharded_strategy.save(sharded_part, checkpoint_dir)  # its collectives share failures
+    else:
+        dist.all_run(lambda: sharded_strategy.save(sharded_part, checkpoint_dir))
+    commit()
+    return None
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """The strategies to read ``checkpoint_dir`` with (defaults from its metadata.json),
+    checked against the backend and version the checkpoint declares."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointNotFoundError(
+            f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
+            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint"
+        )
+    sharded = resolve_strategy(
+        StrategyAction.LOAD_SHARDED, sharded_strategy, (config.sharded_backend, config.sharded_backend_version)
+    )
+    common = resolve_strategy(
+        StrategyAction.LOAD_COMMON, common_strategy, (config.common_backend, config.common_backend_version)
+    )
+    sharded.check_backend_compatibility(config.sharded_backend)
+    sharded.check_version_compatibility(config.sharded_backend_version)
+    common.check_backend_compatibility(config.common_backend)
+    common.check_version_compatibility(config.common_backend_version)
+    return sharded, common
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    """Load into the layout ``sharded_state_dict`` describes (collective).
+
+    ShardedTensors with data are filled in place; those without get CPU tensors. Returns the
+    common state dict merged with the loaded tensors, objects and nonpersistent values; with
+    ``strict`` = RETURN_UNEXPECTED / RETURN_ALL also (missing keys, unexpected keys).
+    """
+    dist = DistWrapper()
+    checkpoint_dir = Path(checkpoint_dir)
+    strict = parse_strict_flag(strict)
+    needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
+
+    def prepare():
+        sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+        common_state_dict = common.load_common(checkpoint_dir)
+        factories, _ = extract_matching_values(
+            sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
+        )
+        sharded_part, _, nonpersistent = _split_state_dict(sharded_state_dict)
+        local_md = [sh.without_data() for sh in nested_values(sharded_part)] if needs_global else None
+        return sharded, common, common_state_dict, factories, sharded_part, nonpersistent, local_md
+
+    ctx, shared = dist.exchange(prepare, share=lambda c: c[-1])
+    sharded, common, common_state_dict, factories, sharded_part, nonpersistent, local_md = ctx
+    global_md = shared if needs_global else None
+
+    def load_local():
+        nonlocal sharded_part
+        missing: Set[str] = set()
+        unexpected: Set[str] = set()
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+            ckpt_keys = {sh.key for sh in load_sharded_metadata(checkpoint_dir, sharded, common).values()}
+            local = list(nested_values(sharded_part))
+            missing, unexpected = determine_mismatched_keys(
+                ckpt_keys, local, None if strict in _UNEXPECTED_ONLY else global_md
+            )
+            _, sharded_part = extract_matching_values(sharded_part, lambda x: x.key in unexpected)
+            if strict == StrictHandling.IGNORE_ALL:
+                missing, unexpected = set(), set()
+            elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+                report_mismatched_keys(missing, unexpected, raise_error=True)
+            elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+                report_mismatched_keys(missing, unexpected, raise_error=False)
+        if validate_access_integrity:
+            validate_sharding_integrity(global_md)
+        loaded: StateDict = {}
+        if not sharded.can_handle_sharded_objects:
+            objects, sharded_part = extract_matching_values(
+                sharded_part, lambda v: isinstance(v, ShardedObject), return_lists_as_dicts=True
+            )
+            if objects:
+                merge(loaded, common.load_sharded_objects(objects, checkpoint_dir))
+        if sharded_part:
+            merge(loaded, sharded.load(sharded_part, checkpoint_dir))
+        if nonpersistent:
+            merge(loaded, dict_list_map_outplace(lambda x: x.unwrap(), nonpersistent))
+        result = _assemble(sharded_state_dict, common_state_dict, loaded)
+        if factories:
+            result = apply_factory_merges(result, factories)
+        return result, missing, unexpected
+
+    result, missing, unexpected = dist.all_run(load_local)
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        return result, missing, unexpected
+    return result
+
+
+_UNEXPECTED_ONLY = (
+    StrictHandling.ASSUME_OK_UNEXPECTED,
+    StrictHandling.LOG_UNEXPECTED,
+    StrictHandling.RAISE_UNEXPECTED,
+    StrictHandling.RETURN_UNEXPECTED,
+)
+
+
+def load_common_state_dict(checkpoint_dir: PathLike) -> StateDict:
+    """The common (non-sharded) part of a checkpoint; no process group needed."""
+    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    return common.load_common(Path(checkpoint_dir))
+
+
+def load_tensors_metadata(
+    checkpoint_dir: PathLike, sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None
+) -> ShardedStateDict:
+    """Every stored tensor as an unsharded ShardedTensor without data (global shape, dtype)."""
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+    return sharded.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+) -> ShardedStateDict:
+    """Tensors (as ``load_tensors_metadata``) and ShardedObjects (by unique key), no data."""
+    sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+    result = sharded.load_sharded_metadata(Path(checkpoint_dir))
+    if not sharded.can_handle_sharded_objects:
+        result.update(common.load_sharded_metadata(Path(checkpoint_dir)))
+    return result
+
+
+def load_plain_tensors(checkpoint_dir: PathLike) -> StateDict:
+    """Every stored tensor, whole, on CPU, in this process alone (no process group needed)."""
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    request = sharded.load_tensors_metadata(Path(checkpoint_dir))
+    for sh in request.values():
+        sh.init_data("cpu")
+    return sharded.load(request, Path(checkpoint_dir))
+
+
+def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
+    """Remove every tensor whose key starts with ``key_prefix`` (call from one process)."""
+    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+    sharded.remove_sharded_tensors(str(checkpoint_dir), key_prefix)

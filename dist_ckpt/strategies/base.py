@@ -1,0 +1,300 @@
+"""Strategy interfaces, the ``StrategyAction`` enum and the registry of strategies.
+
+Call order of a save (``dist_ckpt.save``), on every rank:
+  1. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (writes on rank 0 only);
+  2. ``SaveShardedStrategy.save(sharded_state_dict, dir)`` - or, for an
+     ``AsyncSaveShardedStrategy``, ``async_save(...)`` returning an ``AsyncRequest``;
+  3. the coordinator writes ``metadata.json`` (the commit), after every rank's data is durable.
+
+Call order of a load (``dist_ckpt.load``), on every rank:
+  1. ``check_backend_compatibility`` / ``check_version_compatibility`` with metadata.json;
+  2. ``LoadCommonStrategy.load_common(dir)``;
+  3. ``LoadShardedStrategy.load_sharded_metadata(dir)`` if the strict mode needs it;
+  4. ``LoadShardedStrategy.load(sharded_state_dict, dir)`` (and ``load_sharded_objects`` of
+     the common strategy when the sharded one cannot handle objects).
+
+Strategies are found in a ``StrategyRegistry`` keyed by (action, backend, version).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from ..core import DuplicateStrategyError, StrategyCompatibilityError, UnknownStrategyError
+from ..mapping import ShardedStateDict, StateDict
+from .async_utils import AsyncRequest
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "StrategyAction",
+    "StrategyBase",
+    "SaveStrategyBase",
+    "LoadStrategyBase",
+    "SaveShardedStrategy",
+    "LoadShardedStrategy",
+    "SaveCommonStrategy",
+    "LoadCommonStrategy",
+    "AsyncSaveShardedStrategy",
+    "StrategyRegistry",
+    "default_registry",
+    "register_default_strategy",
+    "get_default_strategy",
+    "resolve_strategy",
+]
+
+
+class StrategyAction(Enum):
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+class StrategyBase(ABC):
+    """Anything the registry holds."""
+
+
+class SaveStrategyBase(StrategyBase):
+    """A save strategy writes checkpoints that metadata.json labels ``(backend, version)``."""
+
+    def __init__(self, backend: str, version: int) -> None:
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """True if ``save`` also stores the ShardedObjects it is given."""
+        return False
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self.backend}, {self.version})"
+
+
+class LoadStrategyBase(StrategyBase):
+    """A load strategy reads the checkpoints of the backend and versions it declares.
+
+    Subclasses set ``backend`` and ``supported_versions`` (class attributes, or in
+    ``__init__``); the checks below compare them with metadata.json.
+    """
+
+    backend: Optional[str] = None
+    supported_versions: Tuple[int, ...] = (1,)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return False
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        """Raise ``StrategyCompatibilityError`` if the checkpoint is of another backend."""
+        if self.backend is not None and loaded_backend != self.backend:
+            raise StrategyCompatibilityError(
+                f"{type(self).__name__} reads '{self.backend}' checkpoints, but this checkpoint's "
+                f"metadata.json says '{loaded_backend}'; pass a strategy for '{loaded_backend}' "
+                f"or none to pick the registered default"
+            )
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        """Raise ``StrategyCompatibilityError`` for a version this strategy cannot read."""
+        if self.supported_versions and loaded_version not in self.supported_versions:
+            raise StrategyCompatibilityError(
+                f"{type(self).__name__} reads {self.backend} versions {list(self.supported_versions)}, "
+                f"but this checkpoint is version {loaded_version}"
+            )
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    """Reads the non-sharded part of a checkpoint."""
+
+    @abstractmethod
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        """The common (non-sharded) state dict."""
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        raise NotImplementedError(f"{type(self).__name__} does not load ShardedObjects")
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """ShardedObjects (without data) stored by this strategy, by unique key."""
+        return {}
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    """Reads the sharded part of a checkpoint into any layout."""
+
+    @abstractmethod
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        """Fill (or allocate) every ShardedTensor's data; returns the loaded state dict."""
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Global ShardedTensors (no data, whole-tensor, unsharded) by key."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Tensors (as in ``load_tensors_metadata``) and, if handled, objects by unique key."""
+        if not self.can_handle_sharded_objects:
+            return self.load_tensors_metadata(checkpoint_dir)
+        raise NotImplementedError(f"{type(self).__name__} does not list ShardedObjects")
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Drop every tensor whose key starts with ``key_prefix`` from the checkpoint."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove tensors")
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    """Writes the non-sharded part (and, for backends that need it, ShardedObjects)."""
+
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        """Called on every rank; writes on the coordinator only."""
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not save ShardedObjects")
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    """Writes the main replicas of the ShardedTensors (and maybe objects) of every rank."""
+
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        """Collective; data is durable on return (not yet committed: metadata.json follows)."""
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A save that can run in the background: ``async_save`` plans and stages synchronously
+    and returns the rest as an ``AsyncRequest``; ``save`` runs that request right away."""
+
+    @abstractmethod
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+        """Collective planning and staging; the returned request writes and finalizes."""
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
+
+
+# -- registry ------------------------------------------------------------------------------
+
+RegistryKey = Tuple[StrategyAction, str, int]
+
+# Built-in strategies, imported only when first asked for: (module, class, pip extra).
+_BUILTINS: Dict[RegistryKey, Tuple[str, str, Optional[str]]] = {
+    (StrategyAction.SAVE_SHARDED, "torch_dist", 1): ("dist_ckpt.strategies.torch_dist", "TorchDistSaveShardedStrategy", None),
+    (StrategyAction.LOAD_SHARDED, "torch_dist", 1): ("dist_ckpt.strategies.torch_dist", "TorchDistLoadShardedStrategy", None),
+    (StrategyAction.SAVE_COMMON, "torch", 1): ("dist_ckpt.strategies.common", "TorchCommonSaveStrategy", None),
+    (StrategyAction.LOAD_COMMON, "torch", 1): ("dist_ckpt.strategies.common", "TorchCommonLoadStrategy", None),
+}
+
+
+def _action(action: Union[StrategyAction, str]) -> StrategyAction:
+    if isinstance(action, StrategyAction):
+        return action
+    try:
+        return StrategyAction(action)
+    except ValueError:
+        raise UnknownStrategyError(
+            f"Unknown strategy action {action!r}; use one of {[a.value for a in StrategyAction]}"
+        ) from None
+
+
+class StrategyRegistry:
+    """Strategies by (action, backend, version).
+
+    ``register`` refuses to replace an entry unless ``override=True``; built-in strategies
+    are added lazily, the first time their key is asked for, and never replace an entry a
+    user registered.
+    """
+
+    def __init__(self, builtins: Optional[Dict[RegistryKey, Tuple[str, str, Optional[str]]]] = None) -> None:
+        self._entries: Dict[RegistryKey, StrategyBase] = {}
+        self._builtins = dict(_BUILTINS if builtins is None else builtins)
+        self._lock = threading.RLock()
+
+    def register(
+        self,
+        action: Union[StrategyAction, str],
+        backend: str,
+        version: int,
+        strategy: StrategyBase,
+        *,
+        override: bool = False,
+    ) -> None:
+        key = (_action(action), backend, version)
+        with self._lock:
+            if key in self._entries and not override:
+                raise DuplicateStrategyError(
+                    f"A strategy is already registered for {key[0].value} {backend} v{version} "
+                    f"({self._entries[key]}); pass override=True to replace it"
+                )
+            self._entries[key] = strategy
+
+    def get(self, action: Union[StrategyAction, str], backend: str, version: int) -> StrategyBase:
+        key = (_action(action), backend, version)
+        with self._lock:
+            if key not in self._entries and key in self._builtins:
+                self._entries[key] = self._load_builtin(key)
+            if key in self._entries:
+                return self._entries[key]
+        known = sorted(f"{a.value} {b} v{v}" for a, b, v in set(self._entries) | set(self._builtins))
+        raise UnknownStrategyError(
+            f"No strategy registered for {key[0].value} backend '{backend}' version {version}. "
+            f"Registered: {known}. Register one with dist_ckpt.register_default_strategy(...)."
+        )
+
+    def _load_builtin(self, key: RegistryKey) -> StrategyBase:
+        module_name, class_name, extra = self._builtins[key]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            hint = f"; install it with: pip install 'dist_ckpt[{extra}]'" if extra else ""
+            raise UnknownStrategyError(
+                f"The strategy for {key[0].value} {key[1]} v{key[2]} needs a library that is not "
+                f"installed ({e}){hint}"
+            ) from e
+        return getattr(module, class_name)()
+
+    def keys(self) -> List[RegistryKey]:
+        with self._lock:
+            return sorted(set(self._entries) | set(self._builtins), key=lambda k: (k[0].value, k[1], k[2]))
+
+
+default_registry = StrategyRegistry()
+
+
+def register_default_strategy(
+    action: Union[StrategyAction, str], backend: str, version: int, strategy: StrategyBase
+) -> None:
+    """Make ``strategy`` the default for (action, backend, version), replacing any previous
+    one (Megatron-Core's meaning: users tune the default this way)."""
+    default_registry.register(action, backend, version, strategy, override=True)
+
+
+def get_default_strategy(action: Union[StrategyAction, str], backend: str, version: int) -> StrategyBase:
+    """The default strategy for (action, backend, version)."""
+    return default_registry.get(action, backend, version)
+
+
+def resolve_strategy(
+    action: StrategyAction,
+    strategy: Union[StrategyBase, Tuple[str, int], None],
+    default_key: Optional[Tuple[str, int]],
+) -> StrategyBase:
+    """The one place a strategy argument (object, (backend, version) tuple or None) becomes
+    a strategy object; None means ``default_key``."""
+    if strategy is None:
+        if default_key is None:
+            raise UnknownStrategyError(f"No strategy given for {action.value} and no default to use")
+        return get_default_strategy(action, *default_key)
+    if isinstance(strategy, tuple):
+        if len(strategy) != 2 or not isinstance(strategy[0], str) or not isinstance(strategy[1], int):
+            raise UnknownStrategyError(f"A strategy tuple must be (backend: str, version: int), got {strategy!r}")
+        return get_default_strategy(action, *strategy)
+    if not isinstance(strategy, StrategyBase):
+        raise UnknownStrategyError(
+            f"{action.value} strategy must be a strategy object or a (backend, version) tuple, got {type(strategy)}"
+        )
+    return strategy

@@ -1,0 +1,116 @@
+"""The 'torch' v1 common strategy: ``common.pt`` and ShardedObject files.
+
+``common.pt`` is ``torch.save`` of everything in the state dict that is not sharded, written
+by rank 0. Backends that cannot store objects themselves (zarr) keep each main-replica
+ShardedObject in ``<ckpt>/<key>/shard_<offset>_<shape>.pt``, as Megatron-Core does. Every
+load goes through the safe unpickler (see ``dist_ckpt.safe_unpickle``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..collectives import get_rank
+from ..core import CheckpointNotFoundError, CorruptCheckpointError, fsync_directory
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from ..safe_unpickle import safe_torch_load
+from .base import LoadCommonStrategy, SaveCommonStrategy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["COMMON_STATE_FNAME", "TorchCommonSaveStrategy", "TorchCommonLoadStrategy", "durable_torch_save"]
+
+COMMON_STATE_FNAME = "common.pt"
+
+
+def durable_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temp name, fsync, rename: the file is whole or absent."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TorchCommonSaveStrategy(SaveCommonStrategy):
+    """Writes ``common.pt`` on rank 0 and ShardedObject ``.pt`` files from their main replicas."""
+
+    def __init__(self, backend: str = "torch", version: int = 1) -> None:
+        super().__init__(backend, version)
+
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        if get_rank() == 0:
+            checkpoint_dir = Path(checkpoint_dir)
+            durable_torch_save(common_state_dict, checkpoint_dir / COMMON_STATE_FNAME)
+            fsync_directory(checkpoint_dir)
+
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        dirs = set()
+        for sh_obj in nested_values(sharded_objects_state_dict):
+            if not is_main_replica(sh_obj.replica_id):
+                continue
+            path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            durable_torch_save(sh_obj.data, path)
+            dirs.add(path.parent)
+        for d in dirs:
+            fsync_directory(d)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+
+class TorchCommonLoadStrategy(LoadCommonStrategy):
+    """Reads ``common.pt`` and ShardedObject ``.pt`` files, allowlisted unpickling only."""
+
+    backend = "torch"
+    supported_versions = (1,)
+
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
+        if not path.is_file():
+            raise CheckpointNotFoundError(
+                f"{path} is missing: the checkpoint has no common state (was it copied completely?)"
+            )
+        common = safe_torch_load(path, what=str(path))
+        if not isinstance(common, dict):
+            raise CorruptCheckpointError(f"{path} must hold a dict, got {type(common).__name__}")
+        return common
+
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        checkpoint_dir = Path(checkpoint_dir)
+
+        def load_one(sh_obj: Any) -> Any:
+            path = checkpoint_dir / f"{sh_obj.unique_key}.pt"
+            if not path.is_file():
+                # Old Megatron-Core wrote the name with its last shape number cut off.
+                legacy = (checkpoint_dir / sh_obj.unique_key).with_suffix(".pt")
+                if not legacy.is_file():
+                    present = sorted(p.name for p in (checkpoint_dir / sh_obj.key).glob("*.pt"))
+                    raise CheckpointNotFoundError(
+                        f"ShardedObject '{sh_obj.unique_key}' not found at {path}; files for key "
+                        f"'{sh_obj.key}': {present}"
+                    )
+                path = legacy
+            return safe_torch_load(path, what=str(path))
+
+        return dict_list_map_inplace(load_one, sharded_objects_state_dict)
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        result = {}
+        for path in sorted(Path(checkpoint_dir).glob("*/shard_*.pt")):
+            sh_obj = ShardedObject.empty_from_unique_key(f"{path.parent.name}/{path.stem}")
+            result[sh_obj.unique_key] = sh_obj
+        return result
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True

@@ -1,0 +1,389 @@
+"""The 'torch_dist' v1 backend: PyTorch Distributed Checkpoint files, Megatron-Core's layout.
+
+Save call order (every rank):
+  1. ``async_save`` describes its main replicas; the coordinator turns all descriptions into
+     per-rank DCP write items and the global ``Metadata`` (``torch_dist_plan``) - one
+     gather/scatter, failures shared;
+  2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files with
+     DCP's ``FileSystemWriter`` (fsync per file), in the background if scheduled;
+  3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
+Load reads ``.metadata`` through the safe unpickler, plans which chunk regions land in which
+destination views (``plan_tensor_reads``), and reads them with bounds-checked file access.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+
+from ..collectives import DistWrapper
+from ..core import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, fsync_directory
+from ..dict_utils import dict_list_map_inplace, nested_values
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..safe_unpickle import safe_pickle_load, safe_torch_load
+from .async_utils import AsyncRequest
+from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .torch_dist_plan import (
+    ReadTask,
+    make_global_save_plan,
+    make_local_save_plan,
+    plan_tensor_reads,
+    stored_global_shape,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read_dcp_metadata"]
+
+DCP_METADATA_FNAME = ".metadata"
+
+
+# -- save -----------------------------------------------------------------------------------------
+
+
+class _ResolvingSavePlanner(SavePlanner):
+    """Hands DCP's writer the bytes of each write item; planning happened in torch_dist_plan."""
+
+    def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, Any]) -> None:
+        self._tensors = tensors
+        self._objects = objects
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> SavePlan:  # pragma: no cover - not used by our orchestration
+        raise NotImplementedError
+
+    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:  # pragma: no cover
+        raise NotImplementedError
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save([self._objects[write_item.index.fqn]], buffer)
+            buffer.seek(0)
+            return buffer
+        tensor = self._tensors[write_item.index]
+        return tensor.reshape(write_item.tensor_data.chunk.sizes)
+
+
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
+    """Saves main replicas of ShardedTensors and ShardedObjects as a DCP checkpoint.
+
+    Args:
+        thread_count: writer threads (and files) per rank.
+    """
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1) -> None:
+        super().__init__(backend, version)
+        self.thread_count = thread_count
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
+        return self._save_request(sharded_state_dict, Path(checkpoint_dir), stage=True)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        # Synchronous: the caller's tensors cannot change underneath, so no staging copies.
+        self._save_request(sharded_state_dict, Path(checkpoint_dir), stage=False).execute_sync()
+
+    def _save_request(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool) -> AsyncRequest:
+        dist = DistWrapper()
+        leaves = list(nested_values(sharded_state_dict))
+        tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
+        objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
+        writer = FileSystemWriter(
+            checkpoint_dir, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, overwrite=True
+        )
+        writer.set_up_storage_writer(dist.is_coordinator, rank=dist.rank)
+        global_metadata: List[Metadata] = []
+
+        def global_step(all_local):
+            plans, metadata = make_global_save_plan(all_local)
+            global_metadata.append(metadata)
+            return writer.prepare_global_plan(plans)
+
+        plan: SavePlan = dist.reduce_scatter(lambda: make_local_save_plan(tensors, objects), global_step)
+        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        sources: Dict[MetadataIndex, torch.Tensor] = {}
+        for item, sh in zip(tensor_items, tensors):
+            data = sh.data.detach()
+            sources[item.index] = data.to("cpu", copy=True) if stage else data
+        planner = _ResolvingSavePlanner(sources, {o.unique_key: o.data for o in objects})
+        write_results: List[Any] = []
+
+        def write() -> None:
+            future = writer.write_data(plan, planner)
+            future.wait()
+            write_results.extend(future.value())
+            fsync_directory(checkpoint_dir)
+
+        def finish_metadata() -> None:
+            def commit(all_results: List[List[Any]]) -> None:
+                writer.finish(global_metadata[0], all_results)
+                fsync_directory(checkpoint_dir)
+
+            dist.all_reduce(lambda: write_results, commit)
+
+        return AsyncRequest(write, (), [finish_metadata])
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+
+class _SafeFileSystemReader(FileSystemReader):
+    """DCP's reader with the allowlisted unpickler and checked offsets, sizes and file names."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / DCP_METADATA_FNAME
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint")
+        with open(path, "rb") as f:
+            metadata = safe_pickle_load(f, what=str(path))
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
+        for info in metadata.storage_data.values():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise CorruptCheckpointError(
+                    f"{path} names data file {name!r}, which is not a plain file name inside the checkpoint"
+                )
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        per_file: Dict[str, List[Tuple[ReadItem, Any]]] = defaultdict(list)
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "
+                    f"entry in the storage table of {self.path}/.metadata"
+                )
+            per_file[info.relative_path].append((item, info))
+        for relative_path, reqs in per_file.items():
+            path = Path(self.path) / relative_path
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"data file {path} is missing; it holds '{reqs[0][0].storage_index.fqn}'"
+                ) from None
+            with f:
+                file_size = os.fstat(f.fileno()).st_size
+                for item, info in sorted(reqs, key=lambda r: r[1].offset):
+                    self._read_item(f, path, file_size, item, info, planner)
+        future: Any = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _read_item(self, f: Any, path: Path, file_size: int, item: ReadItem, info: Any, planner: LoadPlanner) -> None:
+        fqn = item.storage_index.fqn
+        offset, length = info.offset, info.length
+        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
+                and offset + length <= file_size):
+            raise CorruptCheckpointError(
+                f"{path}: '{fqn}' is recorded at bytes [{offset}, {offset}+{length}) but the file has "
+                f"{file_size} bytes; the file is truncated or the metadata is damaged"
+            )
+        f.seek(offset)
+        blob = f.read(length)
+        if info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(blob))
+            blob = stream.read()
+        what = f"'{fqn}' in {path}"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(blob))
+            return
+        tensor = safe_torch_load(blob, what=what)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(item.storage_offsets):
+            raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
+        for dim, (start, length_) in enumerate(zip(item.storage_offsets, item.lengths)):
+            if start + length_ > tensor.shape[dim]:
+                raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(tensor.shape)} is smaller than .metadata says")
+            tensor = tensor.narrow(dim, start, length_)
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise CorruptCheckpointError(
+                f"{what}: stored chunk has {tensor.dtype} {tuple(tensor.shape)}, .metadata promised "
+                f"{target.dtype} {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+class _ViewLoadPlanner(LoadPlanner):
+    """Resolves read items (planned by ``plan_tensor_reads``) to views of the destinations."""
+
+    def __init__(self, requests: List[ShardedTensor], tasks: List[ReadTask]) -> None:
+        self._requests = requests
+        self._tasks = tasks
+        # Destinations as contiguous buffers (the data itself unless it is non-contiguous).
+        self.buffers = [sh.data if sh.data.is_contiguous() else sh.data.contiguous() for sh in requests]
+        self.objects: Dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - not used by our orchestration
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:  # pragma: no cover
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:  # pragma: no cover
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = safe_torch_load(value, what=f"ShardedObject '{fqn}'")
+        if not isinstance(loaded, list) or len(loaded) != 1:
+            raise CorruptCheckpointError(f"ShardedObject '{fqn}' must be stored as a one-element list")
+        self.objects[fqn] = loaded[0]
+
+    def _box_view(self, request_idx: int) -> torch.Tensor:
+        return self.buffers[request_idx].view(self._requests[request_idx].global_box().shape)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        task = self._tasks[read_item.dest_index.index]
+        sh = self._requests[task.request]
+        if task.direct is not None:
+            return self._box_view(task.request)[task.direct.slices_in(sh.global_box())]
+        return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        task = self._tasks[read_item.dest_index.index]
+        if task.direct is not None:
+            return
+        src_flat = tensor.reshape(-1)
+        dst_flat = self.buffers[task.request].view(-1)
+        for (r_start, r_box), (c_start, c_box), inter in task.copies:
+            dst = dst_flat[r_start : r_start + r_box.numel].view(r_box.shape)[inter.slices_in(r_box)]
+            src = src_flat[c_start : c_start + c_box.numel].view(c_box.shape)[inter.slices_in(c_box)]
+            dst.copy_(src)
+
+    def copy_back(self) -> None:
+        for sh, buffer in zip(self._requests, self.buffers):
+            if buffer is not sh.data:
+                sh.data.copy_(buffer)
+
+
+def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
+    """The DCP ``.metadata`` of a checkpoint, through the safe unpickler."""
+    return _SafeFileSystemReader(checkpoint_dir).read_metadata()
+
+
+class TorchDistLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ShardedTensors (any layout) and ShardedObjects from a DCP checkpoint."""
+
+    backend = "torch_dist"
+    supported_versions = (1,)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        reader = _SafeFileSystemReader(checkpoint_dir)
+        metadata = reader.read_metadata()
+        leaves = list(nested_values(sharded_state_dict))
+        requests = [t for t in leaves if isinstance(t, ShardedTensor)]
+        objects = [o for o in leaves if isinstance(o, ShardedObject)]
+        for sh in requests:
+            sh.init_data("cpu")
+        items, tasks = plan_tensor_reads(requests, metadata)
+        for sh_obj in objects:
+            if not isinstance(metadata.state_dict_metadata.get(sh_obj.unique_key), BytesStorageMetadata):
+                stored = sorted(k for k, v in metadata.state_dict_metadata.items()
+                                if isinstance(v, BytesStorageMetadata) and k.startswith(f"{sh_obj.key}/"))
+                raise KeyMismatchError(
+                    f"ShardedObject '{sh_obj.unique_key}' is not in the checkpoint (shards stored for "
+                    f"'{sh_obj.key}': {stored}); objects cannot be resharded"
+                )
+            index = MetadataIndex(sh_obj.unique_key)
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0])))
+        planner = _ViewLoadPlanner(requests, tasks)
+        reader.set_up_storage_reader(metadata, True)
+        reader.read_data(LoadPlan(items), planner)
+        planner.copy_back()
+
+        def unwrap(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                return x.data
+            if isinstance(x, ShardedObject):
+                return planner.objects[x.unique_key]
+            return x
+
+        return dict_list_map_inplace(unwrap, sharded_state_dict)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path, metadata: Optional[Metadata] = None) -> ShardedStateDict:
+        metadata = metadata or read_dcp_metadata(checkpoint_dir)
+        mcore_data = getattr(metadata, "mcore_data", None) or {}
+        result = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            shape = stored_global_shape(key, md, mcore_data)
+            meta = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+            result[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
+        return result
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        metadata = read_dcp_metadata(checkpoint_dir)
+        result: ShardedStateDict = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                sh_obj = ShardedObject.empty_from_unique_key(key)
+                result[sh_obj.unique_key] = sh_obj
+        result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
+        return result
+
+    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+        """Rewrite ``.metadata`` without the keys starting with ``key_prefix`` (atomically),
+        then delete data files no remaining item refers to. Run it from one process."""
+        import pickle
+
+        checkpoint_dir = Path(checkpoint_dir)
+        metadata = read_dcp_metadata(checkpoint_dir)
+        removed = [k for k in metadata.state_dict_metadata if k.startswith(key_prefix)]
+        if not removed:
+            logger.warning("no tensors in %s start with %r; nothing removed", checkpoint_dir, key_prefix)
+            return
+        metadata.state_dict_metadata = {k: v for k, v in metadata.state_dict_metadata.items() if k not in removed}
+        if metadata.planner_data:
+            metadata.planner_data = {k: v for k, v in metadata.planner_data.items() if k not in removed}
+        if getattr(metadata, "mcore_data", None):
+            metadata.mcore_data = {k: v for k, v in metadata.mcore_data.items() if k not in removed}
+        old_files = {info.relative_path for info in metadata.storage_data.values()}
+        metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn not in removed}
+        kept_files = {info.relative_path for info in metadata.storage_data.values()}
+        from ..core import atomic_write_bytes
+
+        atomic_write_bytes(checkpoint_dir / DCP_METADATA_FNAME, pickle.dumps(metadata))
+        for name in sorted(old_files - kept_files):
+            (checkpoint_dir / name).unlink(missing_ok=True)
+        fsync_directory(checkpoint_dir)

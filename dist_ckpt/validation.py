@@ -1,0 +1,216 @@
+"""Checks of a sharded state dict against itself (all ranks) and against a checkpoint.
+
+``validate_sharding_integrity`` runs on the coordinator over every rank's shard metadata
+before a single byte is written: every element of every tensor must be covered by exactly
+one main replica, and all ranks must agree on each key's dtype and global shape. It is a
+pure function, so it is tested without processes or files.
+
+``StrictHandling`` decides what a load does with keys the caller asks for that the
+checkpoint lacks ("unexpected") and keys the checkpoint has that nobody asks for
+("missing"); names and meanings are Megatron-Core's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from enum import Enum
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+from .core import KeyMismatchError, ShardingError
+from .geometry import Box, intersect
+from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "StrictHandling",
+    "parse_strict_flag",
+    "validate_sharding_integrity",
+    "determine_mismatched_keys",
+    "report_mismatched_keys",
+]
+
+LocalMetadata = List[ShardedBase]
+GlobalMetadata = List[LocalMetadata]
+
+
+class StrictHandling(Enum):
+    """What ``load`` does with key mismatches between the request and the checkpoint.
+
+    ``*_UNEXPECTED`` modes look only at keys this rank requests that the checkpoint lacks;
+    ``*_ALL`` modes also find checkpoint keys no rank requests (one metadata exchange).
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"  # no check; a missing key fails in the read
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"  # load returns (state_dict, missing, unexpected)
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.IGNORE_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL, StrictHandling.LOG_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandling:
+    """A ``StrictHandling`` from itself, its string value, or a bool (True: assume ok,
+    False: log unexpected), as Megatron-Core accepts."""
+    if isinstance(strict, StrictHandling):
+        return strict
+    if isinstance(strict, bool):
+        return StrictHandling.ASSUME_OK_UNEXPECTED if strict else StrictHandling.LOG_UNEXPECTED
+    try:
+        return StrictHandling(strict)
+    except (ValueError, TypeError):
+        raise ShardingError(
+            f"Invalid strict flag {strict!r}; use one of {[s.value for s in StrictHandling]}"
+        ) from None
+
+
+# -- sharding integrity --------------------------------------------------------------------------
+
+
+def validate_sharding_integrity(global_metadata: GlobalMetadata) -> None:
+    """Raise ``ShardingError`` unless the ranks' shards describe each global tensor and object
+    consistently and the main replicas cover each exactly once."""
+    tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
+    objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
+    for rank, local in enumerate(global_metadata):
+        for sh in local:
+            if isinstance(sh, ShardedTensor):
+                tensors[sh.key].append((rank, sh))
+            elif isinstance(sh, ShardedObject):
+                objects[sh.key].append((rank, sh))
+    clash = sorted(set(tensors) & set(objects))
+    if clash:
+        raise ShardingError(f"Keys used for both a ShardedTensor and a ShardedObject: {clash}")
+    for key, shards in tensors.items():
+        _validate_tensor_key(key, shards)
+    for key, shards in objects.items():
+        _validate_object_key(key, shards)
+
+
+def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]]) -> None:
+    rank0, first = shards[0]
+    for rank, sh in shards[1:]:
+        if sh.dtype != first.dtype:
+            raise ShardingError(
+                f"'{key}': ranks disagree on the dtype: rank {rank0} has {first.dtype}, rank {rank} has {sh.dtype}"
+            )
+        if sh.global_shape != first.global_shape:
+            raise ShardingError(
+                f"'{key}': ranks disagree on the global shape: rank {rank0} has {first.global_shape}, "
+                f"rank {rank} has {sh.global_shape}"
+            )
+    main = [(rank, sh) for rank, sh in shards if is_main_replica(sh.replica_id)]
+    if not main:
+        raise ShardingError(f"'{key}': no rank holds a main replica (replica_id 0), so nothing would be saved")
+    total = math.prod(first.global_shape)
+    covered = sum(sh.piece().numel for _, sh in main)
+    _check_no_overlap(key, main)
+    if covered != total:
+        raise ShardingError(
+            f"'{key}': the main replicas cover {covered} of {total} elements of global shape "
+            f"{first.global_shape}; some part is held by no rank with replica_id 0"
+        )
+
+
+def _check_no_overlap(key: str, main: Sequence[Tuple[int, ShardedTensor]]) -> None:
+    """Two main replicas must never hold the same element."""
+    if all(sh.flattened_range is None and sh.axis_fragmentations is not None for _, sh in main) and len(
+        {sh.local_shape for _, sh in main}
+    ) == 1:
+        seen: Dict[Tuple[int, ...], int] = {}
+        for rank, sh in main:  # regular grid: equal boxes overlap only if they coincide
+            offset = sh.global_offset
+            if offset in seen:
+                raise ShardingError(
+                    f"'{key}': ranks {seen[offset]} and {rank} both hold the main replica at offset {offset}; "
+                    f"set replica_id > 0 on all but one of them"
+                )
+            seen[offset] = rank
+        return
+    boxes = sorted(
+        ((sub.box, rank, sh.global_offset) for rank, sh in main for sub in sh.piece().subboxes() if sub.box.numel),
+        key=lambda b: b[0].offset,
+    )
+    for i, (box, rank, offset) in enumerate(boxes):
+        end0 = box.offset[0] + box.shape[0] if box.shape else 0
+        for other, other_rank, other_offset in boxes[i + 1 :]:
+            if box.shape and other.offset[0] >= end0:
+                break
+            if intersect(box, other) is not None:
+                raise ShardingError(
+                    f"'{key}': main replicas overlap: rank {rank} (offset {offset}) and rank {other_rank} "
+                    f"(offset {other_offset}) both hold elements around {intersect(box, other).offset}"
+                )
+
+
+def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]]) -> None:
+    rank0, first = shards[0]
+    for rank, sh in shards[1:]:
+        if sh.global_shape != first.global_shape:
+            raise ShardingError(
+                f"ShardedObject '{key}': ranks disagree on the global shape: rank {rank0} has "
+                f"{first.global_shape}, rank {rank} has {sh.global_shape}"
+            )
+    seen: Dict[Tuple[int, ...], int] = {}
+    for rank, sh in shards:
+        if not is_main_replica(sh.replica_id):
+            continue
+        if sh.global_offset in seen:
+            raise ShardingError(
+                f"ShardedObject '{key}': ranks {seen[sh.global_offset]} and {rank} both hold the main replica "
+                f"at offset {sh.global_offset}"
+            )
+        seen[sh.global_offset] = rank
+    if all(d >= 0 for d in first.global_shape):
+        expected = math.prod(first.global_shape)
+        if len(seen) != expected:
+            raise ShardingError(
+                f"ShardedObject '{key}': {len(seen)} main replicas for a global shape of {first.global_shape} "
+                f"({expected} shards); every shard needs exactly one rank with replica_id 0"
+            )
+
+
+# -- request vs checkpoint -------------------------------------------------------------------------
+
+
+def determine_mismatched_keys(
+    ckpt_keys: Set[str], local_metadata: Iterable[ShardedBase], global_metadata: Optional[GlobalMetadata]
+) -> Tuple[Set[str], Set[str]]:
+    """(missing, unexpected): checkpoint keys nobody requests (only with global metadata),
+    and keys this rank requests that the checkpoint lacks."""
+    local_keys = {sh.key for sh in local_metadata}
+    unexpected = local_keys - ckpt_keys
+    missing: Set[str] = set()
+    if global_metadata is not None:
+        missing = ckpt_keys - {sh.key for local in global_metadata for sh in local}
+    return missing, unexpected
+
+
+def report_mismatched_keys(missing: Set[str], unexpected: Set[str], raise_error: bool) -> None:
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"keys in the checkpoint that no rank asked for (missing): {sorted(missing)}")
+    if unexpected:
+        parts.append(f"keys asked for that the checkpoint lacks (unexpected, this rank): {sorted(unexpected)}")
+    msg = "Checkpoint and sharded state dict differ: " + "; ".join(parts)
+    if raise_error:
+        raise KeyMismatchError(msg + ". Use strict=StrictHandling.LOG_ALL or RETURN_ALL to load anyway.")
+    logger.warning(msg)
