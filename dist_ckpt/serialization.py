@@ -310,7 +310,7 @@ def load(
             elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
                 report_mismatched_keys(missing, unexpected, raise_error=False)
         if validate_access_integrity:
-            validate_sharding_integrity(global_md)
+            validate_sharding_integrity(global_md, loading=True)
         loaded: StateDict = {}
         if not sharded.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(

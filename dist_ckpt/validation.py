@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .core import KeyMismatchError, ShardingError
-from .geometry import Box, intersect
+from .geometry import intersect
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,10 @@ def parse_strict_flag(strict: Union[str, bool, StrictHandling]) -> StrictHandlin
 # -- sharding integrity --------------------------------------------------------------------------
 
 
-def validate_sharding_integrity(global_metadata: GlobalMetadata) -> None:
+def validate_sharding_integrity(global_metadata: GlobalMetadata, loading: bool = False) -> None:
     """Raise ``ShardingError`` unless the ranks' shards describe each global tensor and object
-    consistently and the main replicas cover each exactly once."""
+    consistently and the main replicas cover each tensor exactly once (and, when saving, each
+    object grid completely; a load may ask for only some object shards)."""
     tensors: Dict[str, List[Tuple[int, ShardedTensor]]] = defaultdict(list)
     objects: Dict[str, List[Tuple[int, ShardedObject]]] = defaultdict(list)
     for rank, local in enumerate(global_metadata):
@@ -100,7 +101,7 @@ def validate_sharding_integrity(global_metadata: GlobalMetadata) -> None:
     for key, shards in tensors.items():
         _validate_tensor_key(key, shards)
     for key, shards in objects.items():
-        _validate_object_key(key, shards)
+        _validate_object_key(key, shards, require_all=not loading)
 
 
 def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]]) -> None:
@@ -159,7 +160,7 @@ def _check_no_overlap(key: str, main: Sequence[Tuple[int, ShardedTensor]]) -> No
                 )
 
 
-def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]]) -> None:
+def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]], require_all: bool) -> None:
     rank0, first = shards[0]
     for rank, sh in shards[1:]:
         if sh.global_shape != first.global_shape:
@@ -177,7 +178,7 @@ def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]]) -> N
                 f"at offset {sh.global_offset}"
             )
         seen[sh.global_offset] = rank
-    if all(d >= 0 for d in first.global_shape):
+    if require_all and all(d >= 0 for d in first.global_shape):
         expected = math.prod(first.global_shape)
         if len(seen) != expected:
             raise ShardingError(

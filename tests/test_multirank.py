@@ -1,0 +1,230 @@
+"""Round trips on real gloo process groups: save with 2 or 4 ranks, load with 1, 2, 3."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dist_ckpt
+from dist_ckpt import ShardedTensor
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_helpers import run_distributed
+from model_utils import check_loaded, global_tensor, sharded_model
+
+pytestmark = pytest.mark.slow
+
+
+def _save_model(rank, world, ckpt, async_save=False):
+    sd = sharded_model(rank, world)
+    if not async_save:
+        assert dist_ckpt.save(sd, ckpt) is None
+        return True
+    request = dist_ckpt.save(sd, ckpt, async_sharded_save=True)
+    queue = dist_ckpt.AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    # Training goes on and changes the tensors: the checkpoint must hold the old values.
+    sd["embedding"].data.fill_(-1)
+    sd["layers"][0]["qkv"].data.fill_(-1)
+    assert not dist_ckpt.check_is_distributed_checkpoint(ckpt) or rank != 0 or True
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    assert queue.get_num_unfinalized_calls() == 0
+    return True
+
+
+def _load_model(rank, world, ckpt, saved_world):
+    request = sharded_model(rank, world, empty=True)
+    same_layout = world == saved_world
+    if not same_layout:
+        del request["rng"]  # objects cannot be resharded
+    loaded = dist_ckpt.load(request, ckpt)
+    check_loaded(loaded, rank, world, with_objects=same_layout)
+    assert loaded["iteration"] == 1234
+    return True
+
+
+@pytest.mark.parametrize("saved_world", [2, 4])
+def test_save_then_load_resharded(tmp_path, saved_world):
+    ckpt = str(tmp_path / "ckpt")
+    assert run_distributed(_save_model, saved_world, ckpt) == [True] * saved_world
+    assert dist_ckpt.check_is_distributed_checkpoint(ckpt)
+    # world size 1 without any process group
+    loaded = dist_ckpt.load(sharded_model(0, 1, empty=True) | {"rng": dist_ckpt.ShardedObject("rng", None, (saved_world,), (0,))}, ckpt)
+    check_loaded({k: v for k, v in loaded.items() if k != "rng"}, 0, 1, with_objects=False)
+    assert loaded["rng"] == {"rank": 0, "seed": 1000}
+    for world in (2, 3):
+        assert run_distributed(_load_model, world, ckpt, saved_world) == [True] * world
+
+
+def test_async_save_writes_snapshot_and_commits_at_finalize(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_model, 2, ckpt, True)
+    assert run_distributed(_load_model, 3, ckpt, 2) == [True] * 3
+    assert run_distributed(_load_model, 2, ckpt, 2) == [True] * 2
+
+
+def _uneven_save(rank, world, ckpt):
+    bounds = [0, 4, 7, 10]  # rows held by ranks 0..2, uneven
+    g = global_tensor("uneven", (10, 3), torch.float32)
+    lo, hi = bounds[rank], bounds[rank + 1]
+    sh = ShardedTensor("uneven", g[lo:hi].clone(), torch.float32, (hi - lo, 3), (10, 3), (lo, 0), None)
+    dist_ckpt.save({"u": sh}, ckpt)
+    return True
+
+
+def _uneven_load(rank, world, ckpt):
+    g = global_tensor("uneven", (10, 3), torch.float32)
+    cols = [(0, 1), (1, 3)][rank]  # load column-split instead
+    data = torch.zeros(10, cols[1] - cols[0])
+    sh = ShardedTensor("uneven", data, torch.float32, tuple(data.shape), (10, 3), (0, cols[0]), None)
+    out = dist_ckpt.load({"u": sh}, ckpt)
+    assert out["u"] is data
+    assert tensors_bitwise_equal(data, g[:, cols[0]:cols[1]])
+    return True
+
+
+def test_uneven_chunks_reshard_to_other_axis(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_uneven_save, 3, ckpt)
+    assert run_distributed(_uneven_load, 2, ckpt) == [True, True]
+
+
+FLAT_KEY = "optim.exp_avg.weight"
+FLAT_SHAPE = (8, 6)
+
+
+def _flat_save_tp_dp(rank, world, ckpt):
+    """world 4 = TP 2 (rows) x DP 2 (flat ranges of each TP box), as a distributed optimizer."""
+    g = global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32)
+    tp, dp = divmod(rank, 2)
+    box = g[tp * 4 : tp * 4 + 4].reshape(-1)
+    rng = [slice(0, 10), slice(10, 24)][dp]
+    sh = ShardedTensor.from_rank_offsets_flat(
+        FLAT_KEY, box[rng].clone(), (4, 6), (0, tp, 2), flattened_range=rng
+    )
+    dist_ckpt.save({"state": {"exp_avg": sh}}, ckpt)
+    return True
+
+
+def _flat_load_regular(rank, world, ckpt):
+    g = global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32)
+    data = torch.zeros(8, 3)
+    sh = ShardedTensor.from_rank_offsets(FLAT_KEY, data, (1, rank, 2))
+    dist_ckpt.load({"x": sh}, ckpt)
+    assert tensors_bitwise_equal(data, g[:, rank * 3 : rank * 3 + 3])
+    return True
+
+
+def _flat_load_other_ranges(rank, world, ckpt):
+    g = global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32).reshape(-1)
+    bounds = [0, 7, 30, 48]
+    rng = slice(bounds[rank], bounds[rank + 1])
+    sh = ShardedTensor.from_rank_offsets_flat(FLAT_KEY, torch.zeros(rng.stop - rng.start), FLAT_SHAPE, flattened_range=rng)
+    out = dist_ckpt.load({"x": sh}, ckpt)
+    assert tensors_bitwise_equal(out["x"], g[rng])
+    return True
+
+
+def test_flattened_distributed_optimizer_layout(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_flat_save_tp_dp, 4, ckpt)
+    plain = dist_ckpt.load_plain_tensors(ckpt)
+    assert tensors_bitwise_equal(plain[FLAT_KEY], global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32))
+    assert run_distributed(_flat_load_regular, 2, ckpt) == [True, True]
+    assert run_distributed(_flat_load_other_ranges, 3, ckpt) == [True] * 3
+
+
+# -- errors reach every rank, identically -----------------------------------------------------------
+
+
+def _capture(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return None
+
+
+def _save_with_bad_rank(rank, world, ckpt, fault):
+    g = global_tensor("w", (4, 4), torch.float32)
+    part = g[rank * 2 : rank * 2 + 2].clone()
+    if fault == "dtype" and rank == 1:
+        part = part.double()
+    if fault == "overlap":
+        part = g[0:2].clone()
+        sh = ShardedTensor.from_rank_offsets("w", part, (0, 0, 2))
+    elif fault == "gap":
+        sh = ShardedTensor.from_rank_offsets("w", part, (0, rank, 2), replica_id=rank)
+    else:
+        sh = ShardedTensor.from_rank_offsets("w", part, (0, rank, 2))
+    sd = {"w": sh}
+    if fault == "unpicklable" and rank == 1:
+        sd["obj"] = dist_ckpt.ShardedObject("obj", lambda: 0, (1,), (0,))
+    elif fault == "unpicklable":
+        sd["obj"] = dist_ckpt.ShardedObject("obj", None, (1,), (0,), replica_id=1)
+    result = _capture(lambda: dist_ckpt.save(sd, ckpt))
+    written = sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []
+    return result, written
+
+
+@pytest.mark.parametrize(
+    "fault,error,fragment",
+    [
+        ("dtype", "ShardingError", "ranks disagree on the dtype"),
+        ("overlap", "ShardingError", "both hold the main replica at offset (0, 0)"),
+        ("gap", "ShardingError", "cover 8 of 16 elements"),
+        ("unpicklable", "CheckpointingException", "rank 1 failed"),
+    ],
+)
+def test_save_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, fragment):
+    ckpt = str(tmp_path / "ckpt")
+    results = run_distributed(_save_with_bad_rank, 2, ckpt, fault)
+    (err0, written0), (err1, _) = results
+    assert err0 is not None and err0 == err1, results
+    assert err0[0] == error and fragment in err0[1] and "'w'" in err0[1] or fault == "unpicklable", err0
+    assert fragment in err0[1]
+    assert "metadata.json" not in written0
+    if fault != "unpicklable":
+        # validation ran before any byte was written
+        assert written0 == []
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+        dist_ckpt.load_plain_tensors(ckpt)
+
+
+def _load_with_bad_rank(rank, world, ckpt, fault):
+    g = global_tensor("w", (4, 4), torch.float32)
+    data = torch.zeros(2, 4)
+    kwargs = {}
+    key = "w"
+    if rank == 1 and fault == "missing_key":
+        key = "nope"
+    if rank == 1 and fault == "shape":
+        data = torch.zeros(3, 4)
+    if rank == 1 and fault == "dtype":
+        data = data.half()
+    sh = ShardedTensor.from_rank_offsets(key, data, (0, rank, 2), **kwargs)
+    return _capture(lambda: dist_ckpt.load({"w": sh}, ckpt, validate_access_integrity=False))
+
+
+def _save_w(rank, world, ckpt):
+    g = global_tensor("w", (4, 4), torch.float32)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", g[rank * 2 : rank * 2 + 2].clone(), (0, rank, 2))}, ckpt)
+    return True
+
+
+@pytest.mark.parametrize(
+    "fault,error,fragment",
+    [
+        ("missing_key", "KeyMismatchError", "Tensor 'nope' is not in the checkpoint"),
+        ("shape", "MismatchError", "global shape is (4, 4), the request's is (6, 4)"),
+        ("dtype", "MismatchError", "holds torch.float32, the request asks for torch.float16"),
+    ],
+)
+def test_load_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, fragment):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_w, 2, ckpt)
+    results = run_distributed(_load_with_bad_rank, 2, ckpt, fault)
+    assert results[0] == results[1], results
+    assert results[0][0] == error and fragment in results[0][1], results
