@@ -1,0 +1,90 @@
+"""dist_ckpt writes, the real megatron-core package (0.16.x) reads: the bytes must agree."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import dist_ckpt
+from dist_helpers import run_distributed
+from model_utils import MODEL, global_tensor, sharded_model
+
+pytestmark = pytest.mark.slow
+
+def _megatron_request(rank, world):
+    """The same layout as model_utils.sharded_model, built with Megatron-Core's classes."""
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    ours = sharded_model(rank, world, empty=True)
+    from dist_ckpt.dict_utils import dict_list_map_outplace
+
+    def convert(x):
+        if isinstance(x, dist_ckpt.ShardedTensor):
+            return ShardedTensor(
+                x.key, x.data, x.dtype, x.local_shape, x.global_shape, x.global_offset,
+                x.axis_fragmentations, x.replica_id, x.prepend_axis_num,
+            )
+        if isinstance(x, dist_ckpt.ShardedObject):
+            return ShardedObject(x.key, None, x.global_shape, x.global_offset, x.replica_id)
+        return x
+
+    return dict_list_map_outplace(convert, ours)
+
+
+def _save_ours(rank, world, ckpt):
+    dist_ckpt.save(sharded_model(rank, world), ckpt)
+    return True
+
+
+def _load_with_megatron(rank, world, ckpt, saved_world):
+    warnings.filterwarnings("ignore")
+    from megatron.core import dist_checkpointing as mdc
+
+    request = _megatron_request(rank, world)
+    if world != saved_world:
+        del request["rng"]
+    loaded = mdc.load(request, ckpt)
+    expected = sharded_model(rank, world)
+    if world != saved_world:
+        del expected["rng"]
+    from model_utils import check_loaded
+
+    check_loaded(loaded, rank, world, with_objects=world == saved_world)
+    common = mdc.load_common_state_dict(ckpt)
+    assert common["iteration"] == 1234
+    plain = mdc.load_plain_tensors(ckpt)  # collective in Megatron-Core
+    from dist_ckpt.dict_utils import tensors_bitwise_equal
+
+    for key, (shape, dtype) in MODEL.items():
+        assert tensors_bitwise_equal(plain[key], global_tensor(key, shape, dtype)), key
+    return True
+
+
+def test_megatron_core_reads_what_dist_ckpt_writes(tmp_path):
+    # megatron-core is in the 'test' extra: a missing package is a failure, not a skip.
+    import megatron.core.dist_checkpointing  # noqa: F401
+
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_ours, 2, ckpt)
+    assert run_distributed(_load_with_megatron, 2, ckpt, 2) == [True, True]
+    assert run_distributed(_load_with_megatron, 3, ckpt, 2) == [True] * 3
+
+
+def _megatron_plain_tensors(rank, world, ckpt):
+    warnings.filterwarnings("ignore")
+    from megatron.core import dist_checkpointing as mdc
+
+    return {k: v.clone() for k, v in mdc.load_plain_tensors(ckpt).items()}
+
+
+def test_megatron_core_reads_flattened_tensors_dist_ckpt_writes(tmp_path):
+    from test_multirank import FLAT_KEY, FLAT_SHAPE, _flat_save_tp_dp
+
+    from dist_ckpt.dict_utils import tensors_bitwise_equal
+
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_flat_save_tp_dp, 4, ckpt)
+    (plain,) = run_distributed(_megatron_plain_tensors, 1, ckpt)
+    assert tensors_bitwise_equal(plain[FLAT_KEY], global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32))
