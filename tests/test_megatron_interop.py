@@ -9,6 +9,7 @@ import torch
 
 import dist_ckpt
 from dist_helpers import run_distributed
+from conftest import FIXTURES
 from model_utils import MODEL, global_tensor, sharded_model
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def _megatron_plain_tensors(rank, world, ckpt):
     warnings.filterwarnings("ignore")
     from megatron.core import dist_checkpointing as mdc
 
-    return {k: v.clone() for k, v in mdc.load_plain_tensors(ckpt).items()}
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in mdc.load_plain_tensors(ckpt).items()}
 
 
 def test_megatron_core_reads_flattened_tensors_dist_ckpt_writes(tmp_path):
@@ -87,4 +88,9 @@ def test_megatron_core_reads_flattened_tensors_dist_ckpt_writes(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_distributed(_flat_save_tp_dp, 4, ckpt)
     (plain,) = run_distributed(_megatron_plain_tensors, 1, ckpt)
-    assert tensors_bitwise_equal(plain[FLAT_KEY], global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32))
+    # Megatron-Core 0.16 returns flattened tensors in the stored (reformulated) shape, grid
+    # (2, 1) of 4x6 boxes -> (2, 1, 24), exactly as it does for its own 0.10 checkpoints.
+    expected = global_tensor(FLAT_KEY, FLAT_SHAPE, torch.float32).reshape(2, 1, 24)
+    assert tensors_bitwise_equal(plain[FLAT_KEY], expected)
+    (legacy,) = run_distributed(_megatron_plain_tensors, 1, FIXTURES / "mcore0.10_torch_dist_w2_flat")
+    assert tuple(legacy["optim.exp_avg_sq.model.embed.weight"].shape) == (1, 1, 288)
