@@ -76,6 +76,17 @@ def _raise_first(failures: Sequence[RankFailure], local_exc: Optional[BaseExcept
     raise err
 
 
+def _describe(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict):
+        parts = []
+        for rank, failure in failures.items():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+        return "; ".join(parts)
+    return repr(exc)
+
+
 class DistWrapper:
     """Object collectives over ``group`` (or none), each turning failures into shared errors."""
 
@@ -135,7 +146,7 @@ class DistWrapper:
             return fn(), None, None
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - must reach the other ranks
             if isinstance(exc, CheckpointException):  # torch's is a BaseException: never let it out
-                exc = CheckpointingException(f"torch.distributed.checkpoint failed: {exc}")
+                exc = CheckpointingException(f"torch.distributed.checkpoint failed: {_describe(exc)}")
             return None, RankFailure.capture(self.rank, exc), exc
 
     def exchange(self, fn: Callable[[], T], share: Callable[[T], Any] = lambda _: None) -> "tuple[T, List[Any]]":

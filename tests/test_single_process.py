@@ -1,0 +1,339 @@
+"""save/load in one process without any process group: data, structure, strictness, commit."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_ckpt
+from dist_ckpt import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StrictHandling,
+)
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int16, torch.int32, torch.int64, torch.bool]
+
+
+def _tensor(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+def test_all_dtypes_nested_structure_objects_round_trip(tmp_path):
+    tensors = {str(d): _tensor((5, 3), d, i) for i, d in enumerate(DTYPES)}
+    sd = {
+        "model": {k: ShardedTensor.from_rank_offsets(k, v.clone()) for k, v in tensors.items()},
+        "mixed_list": [ShardedTensor.from_rank_offsets("l0", tensors[str(torch.float32)].clone()), 7, {"x": "y"},
+                       ShardedObject("obj_in_list", [1, 2, 3], (1,), (0,))],
+        "args": argparse.Namespace(lr=1e-3, dtype=torch.bfloat16, path=Path("/data")),
+        "iteration": 10,
+        "rng": ShardedObject("rng", {"np": __import__("numpy").random.get_state(), "torch": torch.get_rng_state()}, (1,), (0,)),
+        "local": LocalNonpersistentObject("not saved"),
+    }
+    dist_ckpt.save(sd, tmp_path / "c")
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    request = {
+        "model": {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()},
+        "mixed_list": [ShardedTensor.from_rank_offsets("l0", torch.zeros(5, 3)), None, None,
+                       ShardedObject("obj_in_list", None, (1,), (0,))],
+        "rng": ShardedObject("rng", None, (1,), (0,)),
+        "local": LocalNonpersistentObject("local value"),
+    }
+    loaded = dist_ckpt.load(request, tmp_path / "c")
+    for k, v in tensors.items():
+        assert tensors_bitwise_equal(loaded["model"][k], v), k
+    assert tensors_bitwise_equal(loaded["mixed_list"][0], tensors[str(torch.float32)])
+    assert loaded["mixed_list"][1:3] == [7, {"x": "y"}]
+    assert loaded["mixed_list"][3] == [1, 2, 3]
+    assert loaded["args"].dtype is torch.bfloat16 and loaded["args"].path == Path("/data")
+    assert loaded["iteration"] == 10
+    assert loaded["local"] == "local value"
+    assert torch.equal(loaded["rng"]["torch"], sd["rng"].data["torch"])
+    assert "local" not in dist_ckpt.load_common_state_dict(tmp_path / "c")
+
+
+def test_load_fills_given_tensors_in_place_and_allocates_missing_data(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c")
+    target = torch.zeros(3, 4)
+    out = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, tmp_path / "c")
+    assert out["w"] is target and torch.equal(target, w)
+    no_data = ShardedTensor.from_rank_offsets("w", torch.zeros(3, 4)).without_data()
+    out = dist_ckpt.load({"w": no_data}, tmp_path / "c")
+    assert torch.equal(out["w"], w)
+    noncontig = torch.zeros(4, 3).t()
+    out = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", noncontig)}, tmp_path / "c")
+    assert torch.equal(noncontig, w)
+
+
+def test_strategy_given_as_object_or_tuple(tmp_path):
+    w = torch.arange(6.0)
+    save_strategy = dist_ckpt.get_default_strategy(dist_ckpt.StrategyAction.SAVE_SHARDED, "torch_dist", 1)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "a", sharded_strategy=save_strategy)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "b", ("torch_dist", 1), ("torch", 1))
+    for d in ("a", "b"):
+        out = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, tmp_path / d,
+                             sharded_strategy=("torch_dist", 1), common_strategy=("torch", 1))
+        assert torch.equal(out["w"], w)
+    with pytest.raises(dist_ckpt.UnknownStrategyError, match="Registered:"):
+        dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "x", ("torch_dist", 7))
+    assert not (tmp_path / "x").exists()
+
+
+def _make_factory(key, tensor):
+    def build(k, t, replica_id, flattened_range):
+        half = t.shape[0] // 2
+        return {
+            "a": ShardedTensor.from_rank_offsets(f"{k}.a", t[:half], replica_id=replica_id),
+            "b": ShardedTensor.from_rank_offsets(f"{k}.b", t[half:], replica_id=replica_id),
+        }
+
+    def merge(sub):
+        return torch.cat([sub["a"], sub["b"]])
+
+    return ShardedTensorFactory(key, tensor, build, merge)
+
+
+def test_factories_split_on_save_and_merge_on_load(tmp_path):
+    w = torch.arange(8.0).reshape(4, 2)
+    dist_ckpt.save({"fused": _make_factory("fused", w.clone()), "layers": [_make_factory("l0", w.clone() + 1)]}, tmp_path / "c")
+    assert set(dist_ckpt.load_tensors_metadata(tmp_path / "c")) == {"fused.a", "fused.b", "l0.a", "l0.b"}
+    out = dist_ckpt.load({"fused": _make_factory("fused", torch.zeros(4, 2)),
+                          "layers": [_make_factory("l0", torch.zeros(4, 2))]}, tmp_path / "c")
+    assert torch.equal(out["fused"], w) and torch.equal(out["layers"][0], w + 1)
+
+
+def test_allow_shape_mismatch_loads_the_overlap(tmp_path):
+    vocab = torch.arange(20.0).reshape(10, 2)
+    dist_ckpt.save({"emb": ShardedTensor.from_rank_offsets("emb", vocab)}, tmp_path / "c")
+    padded = torch.full((12, 2), -1.0)
+    with pytest.raises(dist_ckpt.MismatchError, match=r"'emb'.*\(10, 2\).*\(12, 2\).*allow_shape_mismatch"):
+        dist_ckpt.load({"emb": ShardedTensor.from_rank_offsets("emb", padded)}, tmp_path / "c")
+    dist_ckpt.load({"emb": ShardedTensor.from_rank_offsets("emb", padded, allow_shape_mismatch=True)}, tmp_path / "c")
+    assert torch.equal(padded[:10], vocab) and torch.all(padded[10:] == -1)
+    smaller = torch.zeros(6, 2)
+    dist_ckpt.load({"emb": ShardedTensor.from_rank_offsets("emb", smaller, allow_shape_mismatch=True)}, tmp_path / "c")
+    assert torch.equal(smaller, vocab[:6])
+
+
+def test_dtype_mismatch_is_an_error_not_a_cast(tmp_path):
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path / "c")
+    target = torch.zeros(4, dtype=torch.bfloat16)
+    with pytest.raises(dist_ckpt.MismatchError, match="'w': the checkpoint holds torch.float32"):
+        dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, tmp_path / "c")
+    assert torch.all(target == 0)
+
+
+@pytest.fixture
+def two_key_ckpt(tmp_path):
+    dist_ckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.ones(2)),
+                    "b": ShardedTensor.from_rank_offsets("b", torch.ones(3))}, tmp_path / "c")
+    return tmp_path / "c"
+
+
+def _req(*keys):
+    return {k: ShardedTensor.from_rank_offsets(k, torch.zeros(2)) for k in keys}
+
+
+def test_strict_modes(two_key_ckpt, caplog):
+    with pytest.raises(dist_ckpt.KeyMismatchError, match="Tensor 'x' is not in the checkpoint"):
+        dist_ckpt.load(_req("a", "x"), two_key_ckpt)
+    with pytest.raises(dist_ckpt.KeyMismatchError, match=r"unexpected.*\['x'\]"):
+        dist_ckpt.load(_req("a", "x"), two_key_ckpt, strict=StrictHandling.RAISE_UNEXPECTED)
+    with pytest.raises(dist_ckpt.KeyMismatchError, match=r"missing.*\['b'\]"):
+        dist_ckpt.load(_req("a"), two_key_ckpt, strict="raise_all")
+    out, missing, unexpected = dist_ckpt.load(_req("a", "x"), two_key_ckpt, strict=StrictHandling.RETURN_ALL)
+    assert missing == {"b"} and unexpected == {"x"} and torch.equal(out["a"], torch.ones(2)) and "x" not in out
+    out, missing, unexpected = dist_ckpt.load(_req("a", "x"), two_key_ckpt, strict=StrictHandling.RETURN_UNEXPECTED)
+    assert missing == set() and unexpected == {"x"}
+    with caplog.at_level("WARNING"):
+        out = dist_ckpt.load(_req("a", "x"), two_key_ckpt, strict=StrictHandling.LOG_ALL)
+    assert "['x']" in caplog.text and "['b']" in caplog.text and torch.equal(out["a"], torch.ones(2))
+    out = dist_ckpt.load(_req("a", "x"), two_key_ckpt, strict=StrictHandling.IGNORE_ALL)
+    assert set(out) == {"a"}
+    with pytest.raises(dist_ckpt.ShardingError, match="Invalid strict flag"):
+        dist_ckpt.load(_req("a"), two_key_ckpt, strict="sometimes")
+
+
+def test_remove_sharded_tensors(two_key_ckpt):
+    dist_ckpt.remove_sharded_tensors(two_key_ckpt, "b")
+    assert set(dist_ckpt.load_plain_tensors(two_key_ckpt)) == {"a"}
+    out = dist_ckpt.load(_req("a"), two_key_ckpt)
+    assert torch.equal(out["a"], torch.ones(2))
+
+
+# -- commit protocol -------------------------------------------------------------------------------
+
+
+def test_save_refuses_to_overwrite_a_committed_checkpoint(two_key_ckpt):
+    before = {p: p.read_bytes() for p in two_key_ckpt.iterdir()}
+    with pytest.raises(dist_ckpt.CheckpointExistsError, match="already holds a committed checkpoint"):
+        dist_ckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, two_key_ckpt)
+    assert {p: p.read_bytes() for p in two_key_ckpt.iterdir()} == before
+    assert torch.equal(dist_ckpt.load_plain_tensors(two_key_ckpt)["a"], torch.ones(2))
+
+
+def test_missing_or_uncommitted_directory(tmp_path):
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="does not exist"):
+        dist_ckpt.load({}, tmp_path / "nope")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "__0_0.distcp").write_bytes(b"half")
+    for call in (lambda: dist_ckpt.load({}, tmp_path / "partial"),
+                 lambda: dist_ckpt.load_plain_tensors(tmp_path / "partial"),
+                 lambda: dist_ckpt.load_common_state_dict(tmp_path / "partial")):
+        with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="no committed checkpoint"):
+            call()
+    assert isinstance(dist_ckpt.CheckpointNotFoundError("x"), FileNotFoundError)
+    assert not dist_ckpt.check_is_distributed_checkpoint(tmp_path / "partial")
+
+
+class _DiesMidway(dist_ckpt.strategies.SaveShardedStrategy):
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        (Path(checkpoint_dir) / "__0_0.distcp").write_bytes(b"partial data")
+        raise OSError(28, "No space left on device")
+
+
+def test_save_that_dies_midway_leaves_no_checkpoint_and_can_be_retried(tmp_path):
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
+    with pytest.raises(dist_ckpt.CheckpointingException, match="OSError.*No space left"):
+        dist_ckpt.save(sd, tmp_path / "c", sharded_strategy=_DiesMidway())
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError):
+        dist_ckpt.load_plain_tensors(tmp_path / "c")
+    dist_ckpt.save(sd, tmp_path / "c")
+    assert torch.equal(dist_ckpt.load_plain_tensors(tmp_path / "c")["w"], torch.arange(4.0))
+
+
+class _RaisesTorchCheckpointException(dist_ckpt.strategies.SaveShardedStrategy):
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        raise CheckpointException("write", {0: (RuntimeError("boom"), "traceback")})
+
+
+def test_torch_checkpoint_exception_never_escapes(tmp_path):
+    with pytest.raises(dist_ckpt.CheckpointingException, match="torch.distributed.checkpoint failed: rank 0: RuntimeError: boom"):
+        try:
+            dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1))}, tmp_path / "c",
+                           sharded_strategy=_RaisesTorchCheckpointException())
+        except Exception:
+            raise
+        except BaseException as e:  # pragma: no cover - the failure this test exists for
+            pytest.fail(f"BaseException escaped: {e!r}")
+
+
+def test_async_save_commits_only_at_finalization(tmp_path):
+    w = torch.arange(6.0)
+    request = dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w), "it": 3}, tmp_path / "c", async_sharded_save=True)
+    assert isinstance(request, dist_ckpt.AsyncRequest)
+    w.fill_(-1)  # the request wrote nothing yet, but staged a copy
+    queue = dist_ckpt.AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    while queue.get_num_unfinalized_calls():
+        queue.maybe_finalize_async_calls(blocking=False)
+    assert dist_ckpt.check_is_distributed_checkpoint(tmp_path / "c")
+    assert torch.equal(dist_ckpt.load_plain_tensors(tmp_path / "c")["w"], torch.arange(6.0))
+
+
+def test_failed_async_write_raises_at_finalization_and_commits_nothing(tmp_path):
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", lambda: 1, (1,), (0,))}
+    request = dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
+    queue = dist_ckpt.AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed"):
+        queue.maybe_finalize_async_calls(blocking=True)
+    assert not (tmp_path / "c" / "metadata.json").exists()
+
+
+# -- safe unpickling --------------------------------------------------------------------------------
+
+
+class Custom:
+    def __init__(self, v):
+        self.v = v
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/dist_ckpt_pwned",))
+
+
+def test_common_state_with_unknown_types_is_refused_unless_trusted(tmp_path):
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1)), "c": Custom(5)}, tmp_path / "c")
+    with pytest.raises(dist_ckpt.UnsafePickleError, match=r"common.pt references '.*Custom'.*add_safe_globals.*trusted_unpickling"):
+        dist_ckpt.load_common_state_dict(tmp_path / "c")
+    with dist_ckpt.trusted_unpickling():
+        assert dist_ckpt.load_common_state_dict(tmp_path / "c")["c"].v == 5
+    dist_ckpt.add_safe_globals([Custom])
+    assert dist_ckpt.load_common_state_dict(tmp_path / "c")["c"].v == 5
+
+
+def test_code_in_pickles_is_never_run(tmp_path):
+    marker = Path("/tmp/dist_ckpt_pwned")
+    marker.unlink(missing_ok=True)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1)),
+                    "o": ShardedObject("o", _Evil(), (1,), (0,)), "c": _Evil()}, tmp_path / "c")
+    with pytest.raises(dist_ckpt.UnsafePickleError, match="posix.system"):
+        dist_ckpt.load_common_state_dict(tmp_path / "c")
+    with pytest.raises(dist_ckpt.UnsafePickleError, match="posix.system"):
+        dist_ckpt.load({"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c")
+    md_path = tmp_path / "c" / ".metadata"
+    md_path.write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(dist_ckpt.UnsafePickleError, match=r"\.metadata references 'posix.system'"):
+        dist_ckpt.load_plain_tensors(tmp_path / "c")
+    assert not marker.exists()
+
+
+# -- metadata.json and strategy checks ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (b"", "not valid JSON"),
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must hold a JSON object"),
+        (b'{"sharded_backend": 5}', "'sharded_backend' must be a non-empty string"),
+        (b'{"sharded_backend": "torch_dist", "sharded_backend_version": "1"}', "'sharded_backend_version' must be"),
+        (b'{"sharded_backend": "torch_dist", "extra": 1}', "unknown fields ['extra']"),
+        (b'{"common_backend": "torch"}', "lacks the required field 'sharded_backend'"),
+    ],
+)
+def test_broken_metadata_json(two_key_ckpt, content, fragment):
+    (two_key_ckpt / "metadata.json").write_bytes(content)
+    with pytest.raises(dist_ckpt.CorruptCheckpointError, match=f"metadata.json.*{__import__('re').escape(fragment)}"):
+        dist_ckpt.load_plain_tensors(two_key_ckpt)
+
+
+def test_unknown_backend_or_version(two_key_ckpt):
+    (two_key_ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 9}')
+    with pytest.raises(dist_ckpt.UnknownStrategyError, match=r"load_sharded backend 'torch_dist' version 9.*Registered:.*load_sharded torch_dist v1"):
+        dist_ckpt.load_plain_tensors(two_key_ckpt)
+    with pytest.raises(dist_ckpt.StrategyCompatibilityError, match="versions \\[1\\], but this checkpoint is version 9"):
+        dist_ckpt.load(_req("a"), two_key_ckpt, sharded_strategy=("torch_dist", 1))
+    (two_key_ckpt / "metadata.json").write_text('{"sharded_backend": "mystery"}')
+    with pytest.raises(dist_ckpt.UnknownStrategyError, match="backend 'mystery'"):
+        dist_ckpt.load_tensors_metadata(two_key_ckpt)
+    with pytest.raises(dist_ckpt.StrategyCompatibilityError, match="reads 'torch_dist' checkpoints.*says 'mystery'"):
+        dist_ckpt.load(_req("a"), two_key_ckpt, sharded_strategy=("torch_dist", 1))
