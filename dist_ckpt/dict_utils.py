@@ -130,9 +130,13 @@ def tensors_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (so NaNs and -0.0 compare by their bits)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    a_bytes = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    b_bytes = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return torch.equal(a_bytes, b_bytes)
+    return torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(t.numel(), dtype=t.dtype)  # fresh: stride 1 whatever t's strides are
+    flat.copy_(t.detach().reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def diff(x1: Nested, x2: Nested, prefix: Tuple = ()) -> Tuple[list, list, list]:
