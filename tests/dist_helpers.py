@@ -1,49 +1,5 @@
-"""Run a test function on N real processes joined in a gloo process group.
+"""The multi-process helper the tests use (it lives in the package, shared with the demo)."""
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes
-(torch.multiprocessing, ``init_method=file://...``), calls ``fn(rank, world_size, *args)``
-in each, and returns the list of per-rank return values. Every collective has a timeout
-(the process group's), so a hang becomes a failure instead of a stuck CI job. An exception
-in any rank fails the call with that rank's traceback.
-"""
-
-from __future__ import annotations
-
-import datetime
-import os
-import pickle
-import tempfile
-from typing import Any, Callable, List
-
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_ckpt.launch import COLLECTIVE_TIMEOUT_S, run_distributed
 
 __all__ = ["run_distributed", "COLLECTIVE_TIMEOUT_S"]
-
-COLLECTIVE_TIMEOUT_S = 60
-
-
-def _worker(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/pg_init",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        result = fn(rank, world_size, *args)
-        with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List[Any]:
-    with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
-        mp.spawn(_worker, args=(fn, world_size, tmp, args), nprocs=world_size, join=True)
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results

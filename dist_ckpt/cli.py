@@ -1,0 +1,53 @@
+"""The ``dist-ckpt`` command: ``demo`` and ``inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+__all__ = ["main"]
+
+
+def _inspect(directory: str) -> None:
+    from .core import maybe_load_config
+    from .serialization import load_common_state_dict, load_sharded_metadata
+
+    config = maybe_load_config(directory)
+    print(f"{directory}: {config}")
+    for key, sh in sorted(load_sharded_metadata(directory).items()):
+        if hasattr(sh, "dtype"):
+            print(f"  tensor  {key:40s} {str(sh.dtype).replace('torch.', ''):9s} {tuple(sh.global_shape)}")
+        else:
+            print(f"  object  {key}")
+    common = load_common_state_dict(directory)
+    print(f"  common: {sorted(common)}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify")
+    demo.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
+    demo.add_argument("--save-ranks", type=int, default=2)
+    demo.add_argument("--load-ranks", type=int, default=3)
+    inspect = sub.add_parser("inspect", help="list the tensors, objects and common keys of a checkpoint")
+    inspect.add_argument("directory")
+    args = parser.parse_args(argv)
+    from .core import CheckpointingException
+
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            run_demo(args.dir, args.save_ranks, args.load_ranks)
+        elif args.command == "inspect":
+            _inspect(args.directory)
+    except CheckpointingException as e:
+        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
