@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import enum
+import importlib
 import io
 import logging
 import pathlib
@@ -27,7 +29,7 @@ import pickle
 import re
 import threading
 import types
-from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Union
+from typing import IO, Any, Dict, Iterable, Iterator, List, Union
 
 import numpy as np
 import torch
@@ -144,17 +146,55 @@ def _translate(what: str, exc: BaseException) -> Exception:
     )
 
 
+# Enums of these installed frameworks are allowed: rebuilding an enum member is a lookup by
+# value, and real Megatron-LM args hold some (e.g. AttnBackend). Only already-installed
+# modules under these prefixes are imported, never a module the file names freely.
+_ENUM_MODULE_PREFIXES = ("megatron.core.", "megatron.training.", "nemo.", "transformer_engine.")
+
+
+def _allowed_enums(names: Iterable[str]) -> List[Any]:
+    allowed: List[Any] = []
+    for full in names:
+        module_name, _, attr = full.rpartition(".")
+        if not module_name.startswith(_ENUM_MODULE_PREFIXES):
+            continue
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            allowed.append(obj)
+    return allowed
+
+
 def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str, **kwargs: Any) -> Any:
     """``torch.load`` to CPU with the allowlist; ``what`` names the file/item in errors."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     if is_trusted_unpickling():
         return torch.load(source, map_location="cpu", weights_only=False, **kwargs)
+    allowed = get_safe_globals()
+    for attempt in range(2):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+        except _LOAD_ERRORS as e:
+            enums = _allowed_enums(_unsafe_globals(source)) if attempt == 0 else []
+            if not enums:
+                raise _translate(what, e) from None
+            allowed = allowed + enums
+
+
+def _unsafe_globals(source: Union[str, pathlib.Path, IO[bytes]]) -> List[str]:
     try:
-        with torch.serialization.safe_globals(get_safe_globals()):
-            return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
-    except _LOAD_ERRORS as e:
-        raise _translate(what, e) from None
+        if hasattr(source, "seek"):
+            source.seek(0)
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
+    except Exception:  # noqa: BLE001 - damaged file: the original error is reported instead
+        names = []
+    if hasattr(source, "seek"):
+        source.seek(0)
+    return names
 
 
 def _plain_pickle_allowlist() -> Dict[str, Any]:

@@ -27,7 +27,7 @@ def _save_model(rank, world, ckpt, async_save=False):
     # Training goes on and changes the tensors: the checkpoint must hold the old values.
     sd["embedding"].data.fill_(-1)
     sd["layers"][0]["qkv"].data.fill_(-1)
-    assert not dist_ckpt.check_is_distributed_checkpoint(ckpt) or rank != 0 or True
+    assert not dist_ckpt.check_is_distributed_checkpoint(ckpt)  # committed only by finalization
     queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
     assert queue.get_num_unfinalized_calls() == 0
@@ -194,7 +194,6 @@ def test_save_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, 
 
 
 def _load_with_bad_rank(rank, world, ckpt, fault):
-    g = global_tensor("w", (4, 4), torch.float32)
     data = torch.zeros(2, 4)
     kwargs = {}
     key = "w"
@@ -228,3 +227,46 @@ def test_load_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, 
     results = run_distributed(_load_with_bad_rank, 2, ckpt, fault)
     assert results[0] == results[1], results
     assert results[0][0] == error and fragment in results[0][1], results
+
+
+def _fused_factory(key, local, rank, world):
+    """A fused [gate; up] weight: each rank holds both halves of its TP slice, fused along axis 0.
+    The factory stores the halves as two global tensors so each reshards on its own."""
+    def build(k, t, replica_id, flattened_range):
+        half = t.shape[0] // 2
+        return {
+            "gate": ShardedTensor.from_rank_offsets(f"{k}.gate", t[:half], (0, rank, world), replica_id=replica_id),
+            "up": ShardedTensor.from_rank_offsets(f"{k}.up", t[half:], (0, rank, world), replica_id=replica_id),
+        }
+
+    return dist_ckpt.ShardedTensorFactory(key, local, build, lambda sub: torch.cat([sub["gate"], sub["up"]]))
+
+
+def _fused_local(rank, world):
+    gate = global_tensor("mlp.fc1.gate", (12, 4), torch.bfloat16)
+    up = global_tensor("mlp.fc1.up", (12, 4), torch.bfloat16)
+    return torch.cat([torch.chunk(gate, world)[rank], torch.chunk(up, world)[rank]])
+
+
+def _factory_save(rank, world, ckpt):
+    sd = {"mlp": [_fused_factory("mlp.fc1", _fused_local(rank, world), rank, world)],
+          "cache": dist_ckpt.LocalNonpersistentObject(f"rank {rank} cache")}
+    dist_ckpt.save(sd, ckpt)
+    return True
+
+
+def _factory_load(rank, world, ckpt):
+    target = torch.zeros_like(_fused_local(rank, world))
+    out = dist_ckpt.load({"mlp": [_fused_factory("mlp.fc1", target, rank, world)],
+                          "cache": dist_ckpt.LocalNonpersistentObject(f"new cache {rank}")}, ckpt)
+    assert tensors_bitwise_equal(out["mlp"][0], _fused_local(rank, world))
+    assert out["cache"] == f"new cache {rank}"
+    return True
+
+
+def test_factories_and_nonpersistent_objects_reshard(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_factory_save, 2, ckpt)
+    assert "cache" not in dist_ckpt.load_common_state_dict(ckpt)
+    assert set(dist_ckpt.load_tensors_metadata(ckpt)) == {"mlp.fc1.gate", "mlp.fc1.up"}
+    assert run_distributed(_factory_load, 3, ckpt) == [True] * 3

@@ -337,3 +337,26 @@ def test_unknown_backend_or_version(two_key_ckpt):
         dist_ckpt.load_tensors_metadata(two_key_ckpt)
     with pytest.raises(dist_ckpt.StrategyCompatibilityError, match="reads 'torch_dist' checkpoints.*says 'mystery'"):
         dist_ckpt.load(_req("a"), two_key_ckpt, sharded_strategy=("torch_dist", 1))
+
+
+def test_what_real_megatron_lm_checkpoints_hold_loads_safely(tmp_path):
+    """Megatron-LM's common state (args with framework enums) and its rng_state objects."""
+    import random
+
+    import numpy as np
+    from megatron.core.transformer.enums import AttnBackend
+
+    args = argparse.Namespace(attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16,
+                              save=Path("/ckpts"), seq_length=4096, lr=3e-4)
+    rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+           "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {"model-parallel-rng": torch.get_rng_state()}}
+    dist_ckpt.save({"args": args, "checkpoint_version": 3.0, "iteration": 7,
+                    "w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                    "rng_state": [ShardedObject("rng_state", rng, (1, 1), (0, 0))]}, tmp_path / "c")
+    common = dist_ckpt.load_common_state_dict(tmp_path / "c")
+    assert common["args"].attention_backend is AttnBackend.auto and common["checkpoint_version"] == 3.0
+    loaded = dist_ckpt.load({"rng_state": [ShardedObject("rng_state", None, (1, 1), (0, 0))]}, tmp_path / "c")
+    got = loaded["rng_state"][0]
+    assert got["random_rng_state"] == rng["random_rng_state"]
+    assert got["np_rng_state"][0] == "MT19937" and np.array_equal(got["np_rng_state"][1], rng["np_rng_state"][1])
+    assert torch.equal(got["rng_tracker_states"]["model-parallel-rng"], rng["torch_rng_state"])

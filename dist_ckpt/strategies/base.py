@@ -24,7 +24,7 @@ import threading
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 from ..core import DuplicateStrategyError, StrategyCompatibilityError, UnknownStrategyError
 from ..mapping import ShardedStateDict, StateDict
@@ -57,7 +57,7 @@ class StrategyAction(Enum):
     SAVE_SHARDED = "save_sharded"
 
 
-class StrategyBase(ABC):
+class StrategyBase(ABC):  # noqa: B024 - a common type for the registry, no methods of its own
     """Anything the registry holds."""
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import pickle
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -35,7 +36,13 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..collectives import DistWrapper
-from ..core import CheckpointNotFoundError, CorruptCheckpointError, KeyMismatchError, fsync_directory
+from ..core import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    atomic_write_bytes,
+    fsync_directory,
+)
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..safe_unpickle import safe_pickle_load, safe_torch_load
@@ -365,8 +372,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Rewrite ``.metadata`` without the keys starting with ``key_prefix`` (atomically),
         then delete data files no remaining item refers to. Run it from one process."""
-        import pickle
-
         checkpoint_dir = Path(checkpoint_dir)
         metadata = read_dcp_metadata(checkpoint_dir)
         removed = [k for k in metadata.state_dict_metadata if k.startswith(key_prefix)]
@@ -381,8 +386,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         old_files = {info.relative_path for info in metadata.storage_data.values()}
         metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn not in removed}
         kept_files = {info.relative_path for info in metadata.storage_data.values()}
-        from ..core import atomic_write_bytes
-
         atomic_write_bytes(checkpoint_dir / DCP_METADATA_FNAME, pickle.dumps(metadata))
         for name in sorted(old_files - kept_files):
             (checkpoint_dir / name).unlink(missing_ok=True)

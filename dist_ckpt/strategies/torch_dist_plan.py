@@ -16,7 +16,6 @@ Nothing here does I/O; the inputs are shard descriptions and DCP metadata.
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
