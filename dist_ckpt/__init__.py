@@ -44,7 +44,9 @@ from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import (
     StrategyAction,
     StrategyRegistry,
+    StrategyInfo,
     get_default_strategy,
+    list_strategies,
     register_default_strategy,
 )
 from .validation import StrictHandling
@@ -74,6 +76,8 @@ __all__ = [
     "StrategyRegistry",
     "register_default_strategy",
     "get_default_strategy",
+    "list_strategies",
+    "StrategyInfo",
     "AsyncRequest",
     "AsyncCallsQueue",
     "add_safe_globals",

@@ -38,6 +38,10 @@ class Box:
         """Offset of this box inside ``outer``."""
         return tuple(o - oo for o, oo in zip(self.offset, outer.offset))
 
+    def slices(self) -> Tuple[slice, ...]:
+        """Index of this box in the global tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
     def slices_in(self, outer: "Box") -> Tuple[slice, ...]:
         """Index of this box within a tensor that holds ``outer``."""
         return tuple(slice(r, r + s) for r, s in zip(self.relative_to(outer), self.shape))

@@ -19,9 +19,12 @@ Strategies are found in a ``StrategyRegistry`` keyed by (action, backend, versio
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import logging
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple, Union
@@ -43,7 +46,10 @@ __all__ = [
     "LoadCommonStrategy",
     "AsyncSaveShardedStrategy",
     "StrategyRegistry",
+    "StrategyInfo",
+    "ENTRY_POINT_GROUP",
     "default_registry",
+    "list_strategies",
     "register_default_strategy",
     "get_default_strategy",
     "resolve_strategy",
@@ -180,14 +186,47 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 # -- registry ------------------------------------------------------------------------------
 
 RegistryKey = Tuple[StrategyAction, str, int]
+ENTRY_POINT_GROUP = "dist_ckpt.strategies"
 
-# Built-in strategies, imported only when first asked for: (module, class, pip extra).
-_BUILTINS: Dict[RegistryKey, Tuple[str, str, Optional[str]]] = {
-    (StrategyAction.SAVE_SHARDED, "torch_dist", 1): ("dist_ckpt.strategies.torch_dist", "TorchDistSaveShardedStrategy", None),
-    (StrategyAction.LOAD_SHARDED, "torch_dist", 1): ("dist_ckpt.strategies.torch_dist", "TorchDistLoadShardedStrategy", None),
-    (StrategyAction.SAVE_COMMON, "torch", 1): ("dist_ckpt.strategies.common", "TorchCommonSaveStrategy", None),
-    (StrategyAction.LOAD_COMMON, "torch", 1): ("dist_ckpt.strategies.common", "TorchCommonLoadStrategy", None),
+
+@dataclass(frozen=True)
+class _Builtin:
+    """A built-in strategy, imported only when first asked for."""
+
+    module: str
+    class_name: str
+    extra: Optional[str] = None  # pip extra that installs what it needs
+    requires: Tuple[str, ...] = ()  # top-level modules it imports
+
+
+_BUILTINS: Dict[RegistryKey, _Builtin] = {
+    (StrategyAction.SAVE_SHARDED, "torch_dist", 1): _Builtin("dist_ckpt.strategies.torch_dist", "TorchDistSaveShardedStrategy"),
+    (StrategyAction.LOAD_SHARDED, "torch_dist", 1): _Builtin("dist_ckpt.strategies.torch_dist", "TorchDistLoadShardedStrategy"),
+    (StrategyAction.SAVE_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common", "TorchCommonSaveStrategy"),
+    (StrategyAction.LOAD_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common", "TorchCommonLoadStrategy"),
+    (StrategyAction.SAVE_SHARDED, "zarr", 1): _Builtin(
+        "dist_ckpt.strategies.zarr", "ZarrSaveShardedStrategy", "zarr", ("zarr", "ml_dtypes")
+    ),
+    (StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin(
+        "dist_ckpt.strategies.tensorstore", "TensorStoreLoadShardedStrategy", "tensorstore", ("tensorstore", "ml_dtypes")
+    ),
 }
+
+
+@dataclass(frozen=True)
+class StrategyInfo:
+    """One row of ``StrategyRegistry.available()``."""
+
+    action: StrategyAction
+    backend: str
+    version: int
+    source: str  # "user", "builtin" or "entry point <name>"
+    importable: bool  # False: its library is missing (see ``extra``)
+    extra: Optional[str] = None
+
+    def __str__(self) -> str:
+        state = "ok" if self.importable else f"missing library: pip install 'dist_ckpt[{self.extra}]'"
+        return f"{self.action.value:13s} {self.backend:12s} v{self.version}  {self.source:22s} {state}"
 
 
 def _action(action: Union[StrategyAction, str]) -> StrategyAction:
@@ -201,17 +240,28 @@ def _action(action: Union[StrategyAction, str]) -> StrategyAction:
         ) from None
 
 
+def _importable(modules: Tuple[str, ...]) -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
 class StrategyRegistry:
     """Strategies by (action, backend, version).
 
-    ``register`` refuses to replace an entry unless ``override=True``; built-in strategies
-    are added lazily, the first time their key is asked for, and never replace an entry a
-    user registered.
+    Lookup order of ``get``: entries registered on this registry (by users, or earlier by
+    the lazily added built-ins and entry points); then built-ins, imported and added the
+    first time their key is asked for; then third-party strategies from the entry-point
+    group ``dist_ckpt.strategies`` (each entry point is a callable taking the registry).
+    ``register`` refuses to replace an entry unless ``override=True``; nothing lazily added
+    ever replaces an entry a user registered.
     """
 
-    def __init__(self, builtins: Optional[Dict[RegistryKey, Tuple[str, str, Optional[str]]]] = None) -> None:
+    def __init__(self, builtins: Optional[Dict[RegistryKey, _Builtin]] = None, load_entry_points: bool = True) -> None:
         self._entries: Dict[RegistryKey, StrategyBase] = {}
+        self._sources: Dict[RegistryKey, str] = {}
         self._builtins = dict(_BUILTINS if builtins is None else builtins)
+        self._load_entry_points = load_entry_points
+        self._entry_points_loaded = False
+        self._loading_source: Optional[str] = None
         self._lock = threading.RLock()
 
     def register(
@@ -224,6 +274,10 @@ class StrategyRegistry:
         override: bool = False,
     ) -> None:
         key = (_action(action), backend, version)
+        if not isinstance(backend, str) or not backend or not isinstance(version, int) or isinstance(version, bool):
+            raise UnknownStrategyError(f"A strategy key needs a backend name and an int version, got {backend!r}, {version!r}")
+        if not isinstance(strategy, StrategyBase):
+            raise UnknownStrategyError(f"Only strategy objects can be registered, got {type(strategy).__name__}")
         with self._lock:
             if key in self._entries and not override:
                 raise DuplicateStrategyError(
@@ -231,38 +285,77 @@ class StrategyRegistry:
                     f"({self._entries[key]}); pass override=True to replace it"
                 )
             self._entries[key] = strategy
+            self._sources[key] = self._loading_source or "user"
 
     def get(self, action: Union[StrategyAction, str], backend: str, version: int) -> StrategyBase:
         key = (_action(action), backend, version)
         with self._lock:
             if key not in self._entries and key in self._builtins:
                 self._entries[key] = self._load_builtin(key)
+                self._sources[key] = "builtin"
+            if key not in self._entries:
+                self._load_plugins()
             if key in self._entries:
                 return self._entries[key]
-        known = sorted(f"{a.value} {b} v{v}" for a, b, v in set(self._entries) | set(self._builtins))
+        known = sorted(f"{a.value} {b} v{v}" for a, b, v in self.keys())
         raise UnknownStrategyError(
             f"No strategy registered for {key[0].value} backend '{backend}' version {version}. "
             f"Registered: {known}. Register one with dist_ckpt.register_default_strategy(...)."
         )
 
     def _load_builtin(self, key: RegistryKey) -> StrategyBase:
-        module_name, class_name, extra = self._builtins[key]
+        builtin = self._builtins[key]
         try:
-            module = importlib.import_module(module_name)
+            module = importlib.import_module(builtin.module)
         except ImportError as e:
-            hint = f"; install it with: pip install 'dist_ckpt[{extra}]'" if extra else ""
+            hint = f"; install it with: pip install 'dist_ckpt[{builtin.extra}]'" if builtin.extra else ""
             raise UnknownStrategyError(
                 f"The strategy for {key[0].value} {key[1]} v{key[2]} needs a library that is not "
                 f"installed ({e}){hint}"
             ) from e
-        return getattr(module, class_name)()
+        return getattr(module, builtin.class_name)()
+
+    def _load_plugins(self) -> None:
+        """Let every entry point of the group register its strategies (once)."""
+        if self._entry_points_loaded or not self._load_entry_points:
+            return
+        self._entry_points_loaded = True
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            self._loading_source = f"entry point {ep.name}"
+            try:
+                ep.load()(self)
+            except DuplicateStrategyError as e:
+                logger.info("entry point %s: %s (kept the existing entry)", ep.name, e)
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not break others
+                logger.warning("dist_ckpt strategy entry point %r failed to load: %s", ep.name, e)
+            finally:
+                self._loading_source = None
 
     def keys(self) -> List[RegistryKey]:
         with self._lock:
             return sorted(set(self._entries) | set(self._builtins), key=lambda k: (k[0].value, k[1], k[2]))
 
+    def available(self) -> List[StrategyInfo]:
+        """Every registered (action, backend, version), where it comes from, and whether the
+        library it needs is importable (without importing anything)."""
+        with self._lock:
+            self._load_plugins()
+            rows = []
+            for key in self.keys():
+                if key in self._entries:
+                    rows.append(StrategyInfo(*key, self._sources.get(key, "user"), True))
+                else:
+                    builtin = self._builtins[key]
+                    rows.append(StrategyInfo(*key, "builtin", _importable(builtin.requires), builtin.extra))
+            return rows
+
 
 default_registry = StrategyRegistry()
+
+
+def list_strategies() -> List[StrategyInfo]:
+    """The default registry's strategies and whether their libraries are installed."""
+    return default_registry.available()
 
 
 def register_default_strategy(

@@ -1,0 +1,201 @@
+"""The 'zarr' v1 backend with zarr-python 3: save, and a reader one picks explicitly.
+
+zarr-python 3 has no bfloat16; ``BFloat16`` below registers one (numpy dtype from
+ml_dtypes, zarr v2 name ``"bfloat16"``) so that arrays are created, written and read by
+zarr-python for every dtype. The default reader of zarr checkpoints is tensorstore
+(``tensorstore.py``); ``ZarrLoadShardedStrategy`` here reads with zarr-python.
+
+Save call order (every rank, collective):
+  1. each rank describes its main-replica shards; the coordinator checks them, picks the
+     chunk grid per key (the sharding grid; for uneven splits the largest grid every shard
+     boundary falls on) and creates each array once; the others wait for it;
+  2. each rank writes exactly the chunks of its own shards (whole chunks: no read-modify-
+     write), fsyncs them, and failures are shared with all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from functools import reduce
+from pathlib import Path
+from typing import Any, ClassVar, Dict, List, Tuple
+
+import ml_dtypes
+import numpy as np
+import torch
+import zarr
+from zarr.core.dtype import DataTypeValidationError, data_type_registry
+from zarr.core.dtype.npy.float import BaseFloat
+
+from ..collectives import DistWrapper
+from ..core import ShardingError, fsync_directory
+from ..dict_utils import nested_values
+from ..geometry import Box
+from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
+from .base import SaveShardedStrategy
+from .zarr_format import (
+    ZarrArrayLoadStrategy,
+    ZarrArrayMeta,
+    check_zarr_key,
+    chunk_names,
+    torch_to_numpy,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BFloat16", "ZarrSaveShardedStrategy", "ZarrLoadShardedStrategy"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BFloat16(BaseFloat):
+    """zarr-python data type for bfloat16, stored as ``"bfloat16"`` (as Megatron-Core and
+    tensorstore write it)."""
+
+    dtype_cls = type(_BF16)
+    _zarr_v3_name: ClassVar[str] = "bfloat16"
+    _zarr_v2_names: ClassVar[Tuple[str, ...]] = ("bfloat16",)
+
+    @classmethod
+    def from_native_dtype(cls, dtype: Any) -> "BFloat16":
+        if dtype == _BF16:
+            return cls()
+        raise DataTypeValidationError(f"Invalid data type {dtype}; expected bfloat16")
+
+    def to_native_dtype(self) -> np.dtype:
+        return _BF16
+
+    @classmethod
+    def _from_json_v2(cls, data: Any) -> "BFloat16":
+        if cls._check_json_v2(data):
+            return cls()
+        raise DataTypeValidationError(f"Invalid JSON for bfloat16: {data!r}")
+
+    def to_json(self, zarr_format: int) -> Any:
+        return {"name": "bfloat16", "object_codec_id": None} if zarr_format == 2 else "bfloat16"
+
+    @property
+    def item_size(self) -> int:
+        return 2
+
+
+if "bfloat16" not in data_type_registry.contents:
+    data_type_registry.register("bfloat16", BFloat16)
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return _BF16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
+@dataclass(frozen=True)
+class _ShardDesc:
+    key: str
+    dtype: torch.dtype
+    global_shape: Tuple[int, ...]
+    box: Box
+
+
+def _chunk_grid(descs: List[_ShardDesc]) -> Tuple[int, ...]:
+    """Chunk size per axis: the gcd of the axis size and every shard boundary, so that each
+    shard is a whole number of chunks (equal to the shard shape on a regular grid)."""
+    shape = descs[0].global_shape
+    chunks = []
+    for axis, size in enumerate(shape):
+        values = [size] + [v for d in descs for v in (d.box.offset[axis], d.box.shape[axis])]
+        chunks.append(reduce(math.gcd, values) or 1)
+    return tuple(chunks)
+
+
+class ZarrSaveShardedStrategy(SaveShardedStrategy):
+    """Saves main-replica ShardedTensors as zarr v2 arrays in Megatron-Core 0.10's layout."""
+
+    def __init__(self, backend: str = "zarr", version: int = 1) -> None:
+        super().__init__(backend, version)
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        checkpoint_dir = Path(checkpoint_dir)
+        dist = DistWrapper()
+        main = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
+
+        def describe() -> List[_ShardDesc]:
+            for sh in main:
+                check_zarr_key(sh.key)
+                if sh.flattened_range is not None:
+                    raise ShardingError(
+                        f"'{sh.key}': the zarr backend cannot store flattened ranges (distributed-"
+                        f"optimizer state); save with the torch_dist backend"
+                    )
+                if sh.dtype not in _SUPPORTED:
+                    raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend")
+            return [_ShardDesc(sh.key, sh.dtype, tuple(sh.global_shape), sh.global_box()) for sh in main]
+
+        def create_arrays(all_descs: List[List[_ShardDesc]]) -> None:
+            by_key: Dict[str, List[_ShardDesc]] = {}
+            for descs in all_descs:
+                for d in descs:
+                    by_key.setdefault(d.key, []).append(d)
+            for key, descs in by_key.items():
+                self._create_array(checkpoint_dir / key, descs)
+            fsync_directory(checkpoint_dir)
+
+        dist.all_reduce(describe, create_arrays)
+        dist.all_run(lambda: self._write_shards(checkpoint_dir, main))
+
+    @staticmethod
+    def _create_array(path: Path, descs: List[_ShardDesc]) -> None:
+        zarr.create_array(
+            store=str(path),
+            shape=descs[0].global_shape,
+            chunks=_chunk_grid(descs),
+            dtype=_numpy_dtype(descs[0].dtype),
+            zarr_format=2,
+            compressors=None,
+            filters=None,
+            fill_value=None,
+            order="C",
+            chunk_key_encoding={"name": "v2", "separator": "."},
+            overwrite=True,
+        )
+        (path / ".zattrs").unlink(missing_ok=True)  # empty; Megatron-Core's layout has none
+        fsync_directory(path)
+
+    @staticmethod
+    def _write_shards(checkpoint_dir: Path, main: List[ShardedTensor]) -> None:
+        arrays: Dict[str, Any] = {}
+        for sh in main:
+            if sh.key not in arrays:
+                arrays[sh.key] = zarr.open_array(str(checkpoint_dir / sh.key), mode="r+", zarr_format=2)
+            array = arrays[sh.key]
+            array[sh.global_slice()] = torch_to_numpy(sh.data)
+            meta = ZarrArrayMeta(sh.key, tuple(array.shape), tuple(array.chunks), sh.dtype, ".")
+            for name in chunk_names(meta, sh.global_box()):
+                _fsync_file(checkpoint_dir / sh.key / name)
+        for key in arrays:
+            fsync_directory(checkpoint_dir / key)
+
+
+_SUPPORTED = (torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int8, torch.uint8,
+              torch.int16, torch.int32, torch.int64, torch.bool)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ZarrLoadShardedStrategy(ZarrArrayLoadStrategy):
+    """Reads 'zarr' v1 checkpoints with zarr-python (pass it explicitly; tensorstore is the
+    default reader)."""
+
+    def _open_array(self, path: Path, meta: ZarrArrayMeta) -> Any:
+        return zarr.open_array(str(path), mode="r", zarr_format=2)
+
+    def _read_region(self, array: Any, region: Box) -> np.ndarray:
+        return np.asarray(array[region.slices()])
