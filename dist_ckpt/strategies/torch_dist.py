@@ -321,7 +321,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]
         objects = [o for o in leaves if isinstance(o, ShardedObject)]
         for sh in requests:
-            sh.init_data("cpu")
+            # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
+            sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
         items, tasks = plan_tensor_reads(requests, metadata)
         for sh_obj in objects:
             if not isinstance(metadata.state_dict_metadata.get(sh_obj.unique_key), BytesStorageMetadata):
