@@ -241,7 +241,10 @@ def _action(action: Union[StrategyAction, str]) -> StrategyAction:
 
 
 def _importable(modules: Tuple[str, ...]) -> bool:
-    return all(importlib.util.find_spec(m) is not None for m in modules)
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in modules)
+    except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
+        return False
 
 
 class StrategyRegistry:
