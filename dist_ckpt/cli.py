@@ -1,4 +1,4 @@
-"""The ``dist-ckpt`` command: ``demo`` and ``inspect``."""
+"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``strategies``."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--load-ranks", type=int, default=3)
     inspect = sub.add_parser("inspect", help="list the tensors, objects and common keys of a checkpoint")
     inspect.add_argument("directory")
+    convert = sub.add_parser("convert", help="rewrite a checkpoint in another backend (one tensor in memory at a time)")
+    convert.add_argument("src")
+    convert.add_argument("dst")
+    convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
+    convert.add_argument("--version", type=int, default=1)
+    sub.add_parser("strategies", help="list registered strategies and whether their libraries are installed")
     args = parser.parse_args(argv)
     from .core import CheckpointingException
 
@@ -43,6 +49,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             run_demo(args.dir, args.save_ranks, args.load_ranks)
         elif args.command == "inspect":
             _inspect(args.directory)
+        elif args.command == "convert":
+            from .convert import convert_checkpoint
+
+            convert_checkpoint(args.src, args.dst, args.backend, args.version)
+            print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
+        elif args.command == "strategies":
+            from .strategies.base import list_strategies
+
+            for row in list_strategies():
+                print(row)
     except CheckpointingException as e:
         print(f"dist-ckpt: error: {e}", file=sys.stderr)
         return 1

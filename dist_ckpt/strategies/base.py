@@ -170,6 +170,13 @@ class SaveShardedStrategy(SaveStrategyBase):
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         """Collective; data is durable on return (not yet committed: metadata.json follows)."""
 
+    def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
+        """One process writes a checkpoint batch by batch, holding one batch at a time (used
+        by ``convert``). The default suits backends whose keys are stored independently;
+        backends with a global index (torch_dist) override it."""
+        for batch in batches:
+            self.save(batch, checkpoint_dir)
+
 
 class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A save that can run in the background: ``async_save`` plans and stages synchronously

@@ -13,16 +13,18 @@ destination views (``plan_tensor_reads``), and reads them with bounds-checked fi
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
 import pickle
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StoragePrefix  # the writer's file-name prefix
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -40,6 +42,7 @@ from ..core import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     KeyMismatchError,
+    ShardingError,
     atomic_write_bytes,
     fsync_directory,
 )
@@ -156,6 +159,34 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             dist.all_reduce(lambda: write_results, commit)
 
         return AsyncRequest(write, (), [finish_metadata])
+
+    def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
+        """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
+        checkpoint_dir = Path(checkpoint_dir)
+        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
+        writer.set_up_storage_writer(True, rank=0)
+        metadata = Metadata(state_dict_metadata={}, planner_data={})
+        metadata.mcore_data = {}
+        results: List[Any] = []
+        for i, batch in enumerate(batches):
+            leaves = list(nested_values(batch))
+            tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
+            objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
+            clash = [t.key for t in tensors if t.key in metadata.state_dict_metadata]
+            if clash:
+                raise ShardingError(f"save_stream: keys {clash} appear in more than one batch")
+            (plan,), batch_metadata = make_global_save_plan([make_local_save_plan(tensors, objects)])
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
+            sources = {item.index: sh.data.detach() for item, sh in zip(plan.items, tensors)}
+            future = writer.write_data(plan, _ResolvingSavePlanner(sources, {o.unique_key: o.data for o in objects}))
+            future.wait()
+            results.extend(future.value())
+            metadata.state_dict_metadata.update(batch_metadata.state_dict_metadata)
+            metadata.planner_data.update(batch_metadata.planner_data)
+            metadata.mcore_data.update(batch_metadata.mcore_data)
+        fsync_directory(checkpoint_dir)
+        writer.finish(metadata, [results])
+        fsync_directory(checkpoint_dir)
 
 
 # -- load -----------------------------------------------------------------------------------------

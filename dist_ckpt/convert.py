@@ -1,0 +1,58 @@
+"""Rewrite a checkpoint in another backend, one tensor in memory at a time.
+
+Call order (one process, no process group needed): read the source's metadata, common state
+and objects; write common state; stream every tensor (load it whole from the source, hand it
+to the target strategy's ``save_stream``, drop it) and the objects; commit ``metadata.json``
+last. The result loads bit-exact; the source is not modified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Iterator, Union
+
+from .core import CheckpointingConfig, save_config
+from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from .serialization import _prepare_save_directory, load_sharded_metadata, verify_checkpoint_and_load_strategy
+from .strategies.base import StrategyAction, resolve_strategy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["convert_checkpoint"]
+
+
+def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], backend: str, version: int = 1) -> None:
+    """Write the checkpoint ``src`` as a new checkpoint ``dst`` of ``(backend, version)``."""
+    src, dst = Path(src), Path(dst)
+    loader, common_loader = verify_checkpoint_and_load_strategy(src)
+    saver = resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version), None)
+    common_saver = resolve_strategy(StrategyAction.SAVE_COMMON, ("torch", 1), None)
+    metadata = load_sharded_metadata(src, loader, common_loader)
+    tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
+    objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
+    _prepare_save_directory(dst)
+
+    if objects:
+        request = {o.unique_key: o for o in objects}
+        loaded = (loader.load(request, src) if loader.can_handle_sharded_objects
+                  else common_loader.load_sharded_objects(request, src))
+        for o in objects:
+            o.data = loaded[o.unique_key]
+    common_saver.save_common(common_loader.load_common(src), dst)
+
+    def batches() -> Iterator[ShardedStateDict]:
+        for sh in tensors:
+            sh.init_data("cpu")
+            loader.load({sh.key: sh}, src)
+            logger.info("converting %s %s %s", sh.key, tuple(sh.global_shape), sh.dtype)
+            yield {sh.key: sh}
+            sh.data = None  # the only reference: freed before the next tensor is read
+        if objects and saver.can_handle_sharded_objects:
+            yield {o.unique_key: o for o in objects}
+
+    saver.save_stream(batches(), dst)
+    if objects and not saver.can_handle_sharded_objects:
+        common_saver.save_sharded_objects({o.unique_key: o for o in objects}, dst)
+    save_config(CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version), dst)
