@@ -15,7 +15,8 @@ def test_readme_snippets_run():
     shutil.rmtree("/tmp/dist_ckpt_readme", ignore_errors=True)
     try:
         for block in blocks:
-            out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+            out = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120,
+                                 cwd=README.parent)
             assert out.returncode == 0, f"snippet failed:\n{block}\n{out.stderr}"
     finally:
         shutil.rmtree("/tmp/dist_ckpt_readme", ignore_errors=True)
