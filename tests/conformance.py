@@ -9,7 +9,6 @@ A backend's test class subclasses ``BackendConformance`` and sets how to save
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 from typing import Optional, Tuple
 

@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from ..core import DuplicateStrategyError, StrategyCompatibilityError, UnknownStrategyError
 from ..mapping import ShardedStateDict, StateDict
