@@ -13,9 +13,11 @@ import os
 from pathlib import Path
 from typing import Iterator, Union
 
-from .core import CheckpointingConfig, save_config
+from .commit import begin_save
+from .core import CheckpointingConfig
+from .integrity import forget_recorder, recorder_for
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
-from .serialization import _prepare_save_directory, load_sharded_metadata, verify_checkpoint_and_load_strategy
+from .serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import StrategyAction, resolve_strategy
 
 logger = logging.getLogger(__name__)
@@ -32,8 +34,19 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     metadata = load_sharded_metadata(src, loader, common_loader)
     tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
     objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
-    _prepare_save_directory(dst)
+    staged = begin_save(dst, overwrite=False)
+    recorder_for(staged.staging)
+    try:
+        _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects)
+        config = CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version)
+        commit_staged(staged, config, forget_recorder(staged.staging))
+    except BaseException:
+        forget_recorder(staged.staging)
+        staged.abort()
+        raise
 
+
+def _convert_into(dst, loader, common_loader, saver, common_saver, src, tensors, objects) -> None:
     if objects:
         request = {o.unique_key: o for o in objects}
         loaded = (loader.load(request, src) if loader.can_handle_sharded_objects
@@ -55,4 +68,3 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     saver.save_stream(batches(), dst)
     if objects and not saver.can_handle_sharded_objects:
         common_saver.save_sharded_objects({o.unique_key: o for o in objects}, dst)
-    save_config(CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version), dst)

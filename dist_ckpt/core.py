@@ -34,6 +34,7 @@ __all__ = [
     "CheckpointingConfig",
     "CONFIG_FNAME",
     "save_config",
+    "config_bytes",
     "maybe_load_config",
     "check_is_distributed_checkpoint",
     "fsync_directory",
@@ -145,9 +146,14 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
     fsync_directory(path.parent)
 
 
+def config_bytes(config: CheckpointingConfig) -> bytes:
+    """The exact content of ``metadata.json`` for ``config``."""
+    return json.dumps(asdict(config)).encode()
+
+
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
-    """Commit a checkpoint by writing its ``metadata.json`` (durably, atomically)."""
-    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(asdict(config)).encode())
+    """Write ``metadata.json`` (durably, atomically): the last file of a checkpoint."""
+    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))
 
 
 def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:

@@ -19,15 +19,25 @@ from pathlib import Path
 from typing import Any, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
+from .commit import StagedSave, begin_save, is_dist_ckpt_leftover
 from .core import (
     CONFIG_FNAME,
-    CheckpointExistsError,
     CheckpointingConfig,
     CheckpointingException,
     CheckpointNotFoundError,
     check_is_distributed_checkpoint,
+    config_bytes,
     maybe_load_config,
     save_config,
+)
+from .integrity import (
+    ManifestEntry,
+    forget_recorder,
+    hash_bytes,
+    recorder_for,
+    verification,
+    verify_bytes,
+    write_manifest,
 )
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .mapping import (
@@ -70,6 +80,7 @@ __all__ = [
     "remove_sharded_tensors",
     "check_is_distributed_checkpoint",
     "verify_checkpoint_and_load_strategy",
+    "commit_staged",
     "DEFAULT_SAVE_BACKEND",
 ]
 
@@ -131,24 +142,12 @@ def _assemble(template: Any, common: Any, loaded: Any) -> Any:
     return loaded
 
 
-def _prepare_save_directory(checkpoint_dir: Path) -> None:
-    """Coordinator: refuse to overwrite a committed checkpoint, create the directory."""
-    if check_is_distributed_checkpoint(checkpoint_dir):
-        raise CheckpointExistsError(
-            f"{checkpoint_dir} already holds a committed checkpoint ({CONFIG_FNAME} exists); "
-            f"save to a new directory, or remove the old checkpoint first"
-        )
-    if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-        raise CheckpointExistsError(f"{checkpoint_dir} exists and is not a directory")
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    leftovers = os.listdir(checkpoint_dir)
-    if leftovers:
-        logger.warning(
-            "%s is not empty but holds no committed checkpoint (%d entries, e.g. from an interrupted save); "
-            "files of the same names will be overwritten",
-            checkpoint_dir,
-            len(leftovers),
-        )
+def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: List[ManifestEntry]) -> None:
+    """Coordinator: manifest, then metadata.json (both hashed), then the atomic rename."""
+    content = config_bytes(config)
+    write_manifest(staged.staging, entries + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
+    save_config(config, staged.staging)
+    staged.commit()
 
 
 def save(
@@ -158,6 +157,8 @@ def save(
     common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
+    *,
+    overwrite: bool = False,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict from every rank into one checkpoint directory (collective).
 
@@ -165,16 +166,18 @@ def save(
         sharded_state_dict: the state with ShardedTensors/ShardedObjects (and factories,
             nonpersistent objects, plain values that go to the common part).
         checkpoint_dir: target directory; created if missing; must not hold a committed
-            checkpoint.
+            checkpoint unless ``overwrite``.
         sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
             default ('torch_dist', 1) and ('torch', 1).
         validate_access_integrity: check, before writing, that the main replicas of all ranks
             cover every tensor exactly once and that ranks agree on dtypes and shapes.
         async_sharded_save: return an ``AsyncRequest`` that writes the data and commits the
             checkpoint when scheduled and finalized (see ``AsyncCallsQueue``).
+        overwrite: replace a committed checkpoint at ``checkpoint_dir``; the old one stays
+            in place until the new one is complete, then the two are swapped atomically.
     """
     dist = DistWrapper()
-    checkpoint_dir = Path(checkpoint_dir)
+    target = Path(os.path.abspath(checkpoint_dir))
     sharded_strategy = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
     common_strategy = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
     if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
@@ -188,45 +191,59 @@ def save(
             return None
         return [sh.without_data() for sh in nested_values(sharded_part)]
 
-    def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> None:
-        _prepare_save_directory(checkpoint_dir)
+    staged: List[StagedSave] = []  # the coordinator's
+
+    def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> str:
         if validate_access_integrity:
-            validate_sharding_integrity(global_metadata)
+            validate_sharding_integrity(global_metadata)  # before anything touches the disk
+        staged.append(begin_save(target, overwrite))
+        return str(staged[0].staging)
 
-    dist.all_reduce(local_metadata, prepare)
+    staging = Path(dist.all_reduce(local_metadata, prepare))
+    recorder_for(staging)
 
-    if not sharded_strategy.can_handle_sharded_objects:
-        objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-    else:
-        objects = {}
-
-    def write_common() -> None:
-        common_strategy.save_common(common_state_dict, checkpoint_dir)
-        if objects:
-            common_strategy.save_sharded_objects(objects, checkpoint_dir)
-
-    dist.all_run(write_common)
+    def abort() -> None:
+        forget_recorder(staging)
+        if staged:
+            staged[0].abort()
 
     config = CheckpointingConfig(
         sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
     )
 
     def commit() -> None:
-        def write_config() -> None:
-            if dist.is_coordinator:
-                save_config(config, checkpoint_dir)
+        entries = forget_recorder(staging)
 
-        dist.all_run(write_config)
+        def finish(all_entries: List[List[ManifestEntry]]) -> None:
+            commit_staged(staged[0], config, [e for rank_entries in all_entries for e in rank_entries])
 
-    if async_sharded_save:
-        request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
-        request.add_finalize_fn(commit)
-        return request
-    if isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-        sharded_strategy.save(sharded_part, checkpoint_dir)  # its collectives share failures
-    else:
-        dist.all_run(lambda: sharded_strategy.save(sharded_part, checkpoint_dir))
-    commit()
+        dist.all_reduce(lambda: entries, finish)
+
+    try:
+        if not sharded_strategy.can_handle_sharded_objects:
+            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+        else:
+            objects = {}
+
+        def write_common() -> None:
+            common_strategy.save_common(common_state_dict, staging)
+            if objects:
+                common_strategy.save_sharded_objects(objects, staging)
+
+        dist.all_run(write_common)
+        if async_sharded_save:
+            request = sharded_strategy.async_save(sharded_part, staging)
+            request.add_finalize_fn(commit)
+            request.add_cleanup_fn(abort)
+            return request
+        if isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+            sharded_strategy.save(sharded_part, staging)  # its collectives share failures
+        else:
+            dist.all_run(lambda: sharded_strategy.save(sharded_part, staging))
+        commit()
+    except BaseException:
+        abort()
+        raise
     return None
 
 
@@ -238,6 +255,11 @@ def verify_checkpoint_and_load_strategy(
     """The strategies to read ``checkpoint_dir`` with (defaults from its metadata.json),
     checked against the backend and version the checkpoint declares."""
     checkpoint_dir = Path(checkpoint_dir)
+    if is_dist_ckpt_leftover(checkpoint_dir):
+        raise CheckpointNotFoundError(
+            f"{checkpoint_dir} is what an interrupted save left behind, not a checkpoint; "
+            f"remove it with `dist-ckpt clean`"
+        )
     if not checkpoint_dir.is_dir():
         raise CheckpointNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
     config = maybe_load_config(checkpoint_dir)
@@ -246,6 +268,7 @@ def verify_checkpoint_and_load_strategy(
             f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
             f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint"
         )
+    verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
     sharded = resolve_strategy(
         StrategyAction.LOAD_SHARDED, sharded_strategy, (config.sharded_backend, config.sharded_backend_version)
     )
@@ -266,13 +289,30 @@ def load(
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    *,
+    verify_checksums: bool = True,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load into the layout ``sharded_state_dict`` describes (collective).
 
     ShardedTensors with data are filled in place; those without get CPU tensors. Returns the
     common state dict merged with the loaded tensors, objects and nonpersistent values; with
     ``strict`` = RETURN_UNEXPECTED / RETURN_ALL also (missing keys, unexpected keys).
+    Every byte read is checked against the checkpoint's manifest unless ``verify_checksums``
+    is False (checkpoints without a manifest load unchecked, as logged).
     """
+    with verification(verify_checksums):
+        return _load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
+                     validate_access_integrity, strict)
+
+
+def _load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None],
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None],
+    validate_access_integrity: bool,
+    strict: Union[str, StrictHandling],
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     dist = DistWrapper()
     checkpoint_dir = Path(checkpoint_dir)
     strict = parse_strict_flag(strict)
@@ -341,10 +381,11 @@ _UNEXPECTED_ONLY = (
 )
 
 
-def load_common_state_dict(checkpoint_dir: PathLike) -> StateDict:
+def load_common_state_dict(checkpoint_dir: PathLike, *, verify_checksums: bool = True) -> StateDict:
     """The common (non-sharded) part of a checkpoint; no process group needed."""
-    _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    return common.load_common(Path(checkpoint_dir))
+    with verification(verify_checksums):
+        _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
+        return common.load_common(Path(checkpoint_dir))
 
 
 def load_tensors_metadata(
@@ -368,13 +409,12 @@ def load_sharded_metadata(
     return result
 
 
-def load_plain_tensors(checkpoint_dir: PathLike) -> StateDict:
+def load_plain_tensors(checkpoint_dir: PathLike, *, verify_checksums: bool = True) -> StateDict:
     """Every stored tensor, whole, on CPU, in this process alone (no process group needed)."""
-    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    request = sharded.load_tensors_metadata(Path(checkpoint_dir))
-    for sh in request.values():
-        sh.init_data("cpu")
-    return sharded.load(request, Path(checkpoint_dir))
+    with verification(verify_checksums):
+        sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
+        request = sharded.load_tensors_metadata(Path(checkpoint_dir))
+        return sharded.load(request, Path(checkpoint_dir))
 
 
 def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:

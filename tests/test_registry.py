@@ -59,7 +59,7 @@ def test_register_default_strategy_replaces_the_default_as_in_megatron(tmp_path)
     try:
         dist_ckpt.register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, tuned)
         assert dist_ckpt.get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1) is tuned
-        dist_ckpt.save({"w": dist_ckpt.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}, tmp_path / "c")
+        dist_ckpt.save({k: dist_ckpt.ShardedTensor.from_rank_offsets(k, torch.arange(4.0)) for k in "ab"}, tmp_path / "c")
         assert sorted(p.name for p in (tmp_path / "c").glob("*.distcp")) == ["__0_0.distcp", "__0_1.distcp"]
     finally:
         default_registry.register(StrategyAction.SAVE_SHARDED, "torch_dist", 1, before, override=True)

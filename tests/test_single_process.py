@@ -46,7 +46,7 @@ def test_all_dtypes_nested_structure_objects_round_trip(tmp_path):
         "local": LocalNonpersistentObject("not saved"),
     }
     dist_ckpt.save(sd, tmp_path / "c")
-    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "common.pt", "dist_ckpt_manifest.json", "metadata.json"]
     request = {
         "model": {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()},
         "mixed_list": [ShardedTensor.from_rank_offsets("l0", torch.zeros(5, 3)), None, None,
@@ -300,8 +300,10 @@ def test_code_in_pickles_is_never_run(tmp_path):
         dist_ckpt.load({"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c")
     md_path = tmp_path / "c" / ".metadata"
     md_path.write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(dist_ckpt.CorruptCheckpointError, match=r"\.metadata: checksum mismatch for the DCP index"):
+        dist_ckpt.load_plain_tensors(tmp_path / "c")  # the manifest catches the swap first
     with pytest.raises(dist_ckpt.UnsafePickleError, match=r"\.metadata references 'posix.system'"):
-        dist_ckpt.load_plain_tensors(tmp_path / "c")
+        dist_ckpt.load_plain_tensors(tmp_path / "c", verify_checksums=False)
     assert not marker.exists()
 
 
@@ -327,6 +329,7 @@ def test_broken_metadata_json(two_key_ckpt, content, fragment):
 
 
 def test_unknown_backend_or_version(two_key_ckpt):
+    (two_key_ckpt / "dist_ckpt_manifest.json").unlink()  # as a checkpoint from another writer would be
     (two_key_ckpt / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 9}')
     with pytest.raises(dist_ckpt.UnknownStrategyError, match=r"load_sharded backend 'torch_dist' version 9.*Registered:.*load_sharded torch_dist v1"):
         dist_ckpt.load_plain_tensors(two_key_ckpt)

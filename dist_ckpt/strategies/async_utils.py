@@ -40,11 +40,16 @@ class AsyncRequest:
     finalize_fns: List[Callable[[], None]]
     is_frozen: bool = False
     async_error: Optional[BaseException] = field(default=None, repr=False)
+    cleanup_fns: List[Callable[[], None]] = field(default_factory=list)
 
     def add_finalize_fn(self, fn: Callable[[], None]) -> None:
         if self.is_frozen:
             raise CheckpointingException("Cannot add finalize functions to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
+
+    def add_cleanup_fn(self, fn: Callable[[], None]) -> None:
+        """``fn`` runs (on every rank) if the write or the finalization fails."""
+        self.cleanup_fns.append(fn)
 
     def freeze(self) -> "AsyncRequest":
         self.is_frozen = True
@@ -69,12 +74,17 @@ class AsyncRequest:
             if error is not None:
                 raise error
 
-        if no_dist:
-            check()
-        else:
-            (dist_wrapper or DistWrapper()).all_run(check)
-        for fn in self.finalize_fns:
-            fn()
+        try:
+            if no_dist:
+                check()
+            else:
+                (dist_wrapper or DistWrapper()).all_run(check)
+            for fn in self.finalize_fns:
+                fn()
+        except BaseException:
+            for fn in self.cleanup_fns:
+                fn()
+            raise
 
     def execute_sync(self, dist_wrapper: Optional[DistWrapper] = None) -> None:
         """Run the write and the finalization here and now (a synchronous save)."""

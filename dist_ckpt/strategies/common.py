@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from ..collectives import get_rank
 from ..core import CheckpointNotFoundError, CorruptCheckpointError, fsync_directory
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from ..integrity import HashingWriter, read_verified, recorder_for
 from ..safe_unpickle import safe_torch_load
 from .base import LoadCommonStrategy, SaveCommonStrategy
 
@@ -29,14 +30,18 @@ __all__ = ["COMMON_STATE_FNAME", "TorchCommonSaveStrategy", "TorchCommonLoadStra
 COMMON_STATE_FNAME = "common.pt"
 
 
-def durable_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temp name, fsync, rename: the file is whole or absent."""
+def durable_torch_save(obj: Any, path: Path, checkpoint_dir: Path, key: Optional[str] = None) -> None:
+    """``torch.save`` to a temp name (hashed on the way), fsync, rename: the file is whole or
+    absent, and its checksum is in the save's manifest."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        stream = HashingWriter(f)
+        torch.save(obj, stream)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    offset, length, digest = stream.finish_item()
+    recorder_for(checkpoint_dir).add(path.relative_to(checkpoint_dir).as_posix(), offset, length, digest, key)
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -48,7 +53,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         if get_rank() == 0:
             checkpoint_dir = Path(checkpoint_dir)
-            durable_torch_save(common_state_dict, checkpoint_dir / COMMON_STATE_FNAME)
+            durable_torch_save(common_state_dict, checkpoint_dir / COMMON_STATE_FNAME, checkpoint_dir)
             fsync_directory(checkpoint_dir)
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
@@ -58,7 +63,7 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
                 continue
             path = Path(checkpoint_dir) / f"{sh_obj.unique_key}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            durable_torch_save(sh_obj.data, path)
+            durable_torch_save(sh_obj.data, path, Path(checkpoint_dir), sh_obj.unique_key)
             dirs.add(path.parent)
         for d in dirs:
             fsync_directory(d)
@@ -80,7 +85,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointNotFoundError(
                 f"{path} is missing: the checkpoint has no common state (was it copied completely?)"
             )
-        common = safe_torch_load(path, what=str(path))
+        common = safe_torch_load(read_verified(checkpoint_dir, COMMON_STATE_FNAME), what=str(path))
         if not isinstance(common, dict):
             raise CorruptCheckpointError(f"{path} must hold a dict, got {type(common).__name__}")
         return common
@@ -100,7 +105,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                         f"'{sh_obj.key}': {present}"
                     )
                 path = legacy
-            return safe_torch_load(path, what=str(path))
+            data = read_verified(checkpoint_dir, path.relative_to(checkpoint_dir).as_posix(), sh_obj.unique_key)
+            return safe_torch_load(data, what=str(path))
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 

@@ -4,27 +4,23 @@ Save call order (every rank):
   1. ``async_save`` describes its main replicas; the coordinator turns all descriptions into
      per-rank DCP write items and the global ``Metadata`` (``torch_dist_plan``) - one
      gather/scatter, failures shared;
-  2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files with
-     DCP's ``FileSystemWriter`` (fsync per file), in the background if scheduled;
+  2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files
+     (``dcp_io``: hashed while written, fsync per file), in the background if scheduled;
   3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
 Load reads ``.metadata`` through the safe unpickler, plans which chunk regions land in which
-destination views (``plan_tensor_reads``), and reads them with bounds-checked file access.
+destination views (``plan_tensor_reads``, which also checks sizes before anything is
+allocated), and reads them with bounds- and checksum-checked file access.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
-import os
 import pickle
-from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StoragePrefix  # the writer's file-name prefix
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -32,25 +28,19 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
     SavePlan,
-    SavePlanner,
     WriteItem,
     WriteItemType,
 )
 
 from ..collectives import DistWrapper
-from ..core import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    KeyMismatchError,
-    ShardingError,
-    atomic_write_bytes,
-    fsync_directory,
-)
+from ..core import CorruptCheckpointError, KeyMismatchError, ShardingError, atomic_write_bytes, fsync_directory
 from ..dict_utils import dict_list_map_inplace, nested_values
+from ..integrity import ManifestEntry, hash_bytes, recorder_for, update_manifest
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..safe_unpickle import safe_pickle_load, safe_torch_load
+from ..safe_unpickle import safe_torch_load
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .torch_dist_plan import (
     ReadTask,
     make_global_save_plan,
@@ -63,39 +53,23 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read_dcp_metadata"]
 
-DCP_METADATA_FNAME = ".metadata"
-
 
 # -- save -----------------------------------------------------------------------------------------
 
 
-class _ResolvingSavePlanner(SavePlanner):
-    """Hands DCP's writer the bytes of each write item; planning happened in torch_dist_plan."""
+class _ItemSource:
+    """The bytes of each write item: a view of this rank's tensor, or an object's blob."""
 
     def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, Any]) -> None:
         self._tensors = tensors
         self._objects = objects
 
-    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
-        pass
-
-    def create_local_plan(self) -> SavePlan:  # pragma: no cover - not used by our orchestration
-        raise NotImplementedError
-
-    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:  # pragma: no cover
-        raise NotImplementedError
-
-    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-        return new_plan
-
-    def resolve_data(self, write_item: WriteItem) -> Any:
+    def __call__(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
             torch.save([self._objects[write_item.index.fqn]], buffer)
-            buffer.seek(0)
             return buffer
-        tensor = self._tensors[write_item.index]
-        return tensor.reshape(write_item.tensor_data.chunk.sizes)
+        return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -125,16 +99,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         leaves = list(nested_values(sharded_state_dict))
         tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
         objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
-        writer = FileSystemWriter(
-            checkpoint_dir, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count, overwrite=True
-        )
-        writer.set_up_storage_writer(dist.is_coordinator, rank=dist.rank)
+        recorder = recorder_for(checkpoint_dir)
         global_metadata: List[Metadata] = []
 
-        def global_step(all_local):
+        def global_step(all_local: List[Any]) -> List[SavePlan]:
             plans, metadata = make_global_save_plan(all_local)
             global_metadata.append(metadata)
-            return writer.prepare_global_plan(plans)
+            return plans
 
         plan: SavePlan = dist.reduce_scatter(lambda: make_local_save_plan(tensors, objects), global_step)
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
@@ -142,19 +113,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         for item, sh in zip(tensor_items, tensors):
             data = sh.data.detach()
             sources[item.index] = data.to("cpu", copy=True) if stage else data
-        planner = _ResolvingSavePlanner(sources, {o.unique_key: o.data for o in objects})
+        source = _ItemSource(sources, {o.unique_key: o.data for o in objects})
         write_results: List[Any] = []
 
         def write() -> None:
-            future = writer.write_data(plan, planner)
-            future.wait()
-            write_results.extend(future.value())
+            write_results.extend(write_dcp_files(checkpoint_dir, f"__{dist.rank}_", plan.items, source,
+                                                 recorder, self.thread_count))
             fsync_directory(checkpoint_dir)
 
         def finish_metadata() -> None:
             def commit(all_results: List[List[Any]]) -> None:
-                writer.finish(global_metadata[0], all_results)
-                fsync_directory(checkpoint_dir)
+                write_dcp_metadata(checkpoint_dir, global_metadata[0], [r for rs in all_results for r in rs], recorder)
 
             dist.all_reduce(lambda: write_results, commit)
 
@@ -163,8 +132,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
         checkpoint_dir = Path(checkpoint_dir)
-        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, sync_files=True, overwrite=True)
-        writer.set_up_storage_writer(True, rank=0)
+        recorder = recorder_for(checkpoint_dir)
         metadata = Metadata(state_dict_metadata={}, planner_data={})
         metadata.mcore_data = {}
         results: List[Any] = []
@@ -176,102 +144,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if clash:
                 raise ShardingError(f"save_stream: keys {clash} appear in more than one batch")
             (plan,), batch_metadata = make_global_save_plan([make_local_save_plan(tensors, objects)])
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{i}_"))
             sources = {item.index: sh.data.detach() for item, sh in zip(plan.items, tensors)}
-            future = writer.write_data(plan, _ResolvingSavePlanner(sources, {o.unique_key: o.data for o in objects}))
-            future.wait()
-            results.extend(future.value())
+            source = _ItemSource(sources, {o.unique_key: o.data for o in objects})
+            results.extend(write_dcp_files(checkpoint_dir, f"__{i}_", plan.items, source, recorder))
+            del sources, source, tensors, leaves
             metadata.state_dict_metadata.update(batch_metadata.state_dict_metadata)
             metadata.planner_data.update(batch_metadata.planner_data)
             metadata.mcore_data.update(batch_metadata.mcore_data)
         fsync_directory(checkpoint_dir)
-        writer.finish(metadata, [results])
-        fsync_directory(checkpoint_dir)
+        write_dcp_metadata(checkpoint_dir, metadata, results, recorder)
 
 
 # -- load -----------------------------------------------------------------------------------------
-
-
-class _SafeFileSystemReader(FileSystemReader):
-    """DCP's reader with the allowlisted unpickler and checked offsets, sizes and file names."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / DCP_METADATA_FNAME
-        if not path.is_file():
-            raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint")
-        with open(path, "rb") as f:
-            metadata = safe_pickle_load(f, what=str(path))
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
-            raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
-        if not isinstance(metadata.storage_data, dict):
-            raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
-        for info in metadata.storage_data.values():
-            name = getattr(info, "relative_path", None)
-            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-                raise CorruptCheckpointError(
-                    f"{path} names data file {name!r}, which is not a plain file name inside the checkpoint"
-                )
-        return metadata
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        per_file: Dict[str, List[Tuple[ReadItem, Any]]] = defaultdict(list)
-        for item in plan.items:
-            info = self.storage_data.get(item.storage_index)
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "
-                    f"entry in the storage table of {self.path}/.metadata"
-                )
-            per_file[info.relative_path].append((item, info))
-        for relative_path, reqs in per_file.items():
-            path = Path(self.path) / relative_path
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"data file {path} is missing; it holds '{reqs[0][0].storage_index.fqn}'"
-                ) from None
-            with f:
-                file_size = os.fstat(f.fileno()).st_size
-                for item, info in sorted(reqs, key=lambda r: r[1].offset):
-                    self._read_item(f, path, file_size, item, info, planner)
-        future: Any = torch.futures.Future()
-        future.set_result(None)
-        return future
-
-    def _read_item(self, f: Any, path: Path, file_size: int, item: ReadItem, info: Any, planner: LoadPlanner) -> None:
-        fqn = item.storage_index.fqn
-        offset, length = info.offset, info.length
-        if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length
-                and offset + length <= file_size):
-            raise CorruptCheckpointError(
-                f"{path}: '{fqn}' is recorded at bytes [{offset}, {offset}+{length}) but the file has "
-                f"{file_size} bytes; the file is truncated or the metadata is damaged"
-            )
-        f.seek(offset)
-        blob = f.read(length)
-        if info.transform_descriptors:
-            stream = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(blob))
-            blob = stream.read()
-        what = f"'{fqn}' in {path}"
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(blob))
-            return
-        tensor = safe_torch_load(blob, what=what)
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(item.storage_offsets):
-            raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
-        for dim, (start, length_) in enumerate(zip(item.storage_offsets, item.lengths)):
-            if start + length_ > tensor.shape[dim]:
-                raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(tensor.shape)} is smaller than .metadata says")
-            tensor = tensor.narrow(dim, start, length_)
-        target = planner.resolve_tensor(item).detach()
-        if target.shape != tensor.shape or target.dtype != tensor.dtype:
-            raise CorruptCheckpointError(
-                f"{what}: stored chunk has {tensor.dtype} {tuple(tensor.shape)}, .metadata promised "
-                f"{target.dtype} {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
 
 
 class _ViewLoadPlanner(LoadPlanner):
@@ -330,9 +214,13 @@ class _ViewLoadPlanner(LoadPlanner):
                 sh.data.copy_(buffer)
 
 
+def _nbytes(shape: Any, dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+
+
 def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
-    """The DCP ``.metadata`` of a checkpoint, through the safe unpickler."""
-    return _SafeFileSystemReader(checkpoint_dir).read_metadata()
+    """The DCP ``.metadata`` of a checkpoint, checked and through the safe unpickler."""
+    return DcpReader(checkpoint_dir).read_metadata()
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -346,15 +234,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return True
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        reader = _SafeFileSystemReader(checkpoint_dir)
+        reader = DcpReader(checkpoint_dir)
         metadata = reader.read_metadata()
         leaves = list(nested_values(sharded_state_dict))
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]
         objects = [o for o in leaves if isinstance(o, ShardedObject)]
+        items, tasks = plan_tensor_reads(requests, metadata)
+        reader.check_plan(metadata, items, [_nbytes(t.chunk.stored_sizes, requests[t.request].dtype) for t in tasks])
         for sh in requests:
             # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
             sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
-        items, tasks = plan_tensor_reads(requests, metadata)
         for sh_obj in objects:
             if not isinstance(metadata.state_dict_metadata.get(sh_obj.unique_key), BytesStorageMetadata):
                 stored = sorted(k for k, v in metadata.state_dict_metadata.items()
@@ -418,7 +307,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         old_files = {info.relative_path for info in metadata.storage_data.values()}
         metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn not in removed}
         kept_files = {info.relative_path for info in metadata.storage_data.values()}
-        atomic_write_bytes(checkpoint_dir / DCP_METADATA_FNAME, pickle.dumps(metadata))
-        for name in sorted(old_files - kept_files):
+        content = pickle.dumps(metadata)
+        removed_files = old_files - kept_files
+        update_manifest(
+            checkpoint_dir,
+            drop=lambda e: e.file == DCP_METADATA_FNAME or e.file in removed_files,
+            add=[ManifestEntry(DCP_METADATA_FNAME, 0, len(content), hash_bytes(content))],
+        )
+        atomic_write_bytes(checkpoint_dir / DCP_METADATA_FNAME, content)
+        for name in sorted(removed_files):
             (checkpoint_dir / name).unlink(missing_ok=True)
         fsync_directory(checkpoint_dir)

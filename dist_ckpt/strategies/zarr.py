@@ -36,11 +36,13 @@ from ..dict_utils import nested_values
 from ..geometry import Box
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .base import SaveShardedStrategy
+from ..integrity import Recorder, recorder_for
 from .zarr_format import (
+    ZARRAY,
     ZarrArrayLoadStrategy,
     ZarrArrayMeta,
     check_zarr_key,
-    chunk_names,
+    chunk_regions,
     torch_to_numpy,
 )
 
@@ -140,10 +142,12 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                     by_key.setdefault(d.key, []).append(d)
             for key, descs in by_key.items():
                 self._create_array(checkpoint_dir / key, descs)
+                recorder.add_bytes(f"{key}/{ZARRAY}", (checkpoint_dir / key / ZARRAY).read_bytes(), key)
             fsync_directory(checkpoint_dir)
 
+        recorder = recorder_for(checkpoint_dir)
         dist.all_reduce(describe, create_arrays)
-        dist.all_run(lambda: self._write_shards(checkpoint_dir, main))
+        dist.all_run(lambda: self._write_shards(checkpoint_dir, main, recorder))
 
     @staticmethod
     def _create_array(path: Path, descs: List[_ShardDesc]) -> None:
@@ -164,15 +168,22 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         fsync_directory(path)
 
     @staticmethod
-    def _write_shards(checkpoint_dir: Path, main: List[ShardedTensor]) -> None:
+    def _write_shards(checkpoint_dir: Path, main: List[ShardedTensor], recorder: Recorder) -> None:
         arrays: Dict[str, Any] = {}
         for sh in main:
             if sh.key not in arrays:
                 arrays[sh.key] = zarr.open_array(str(checkpoint_dir / sh.key), mode="r+", zarr_format=2)
             array = arrays[sh.key]
-            array[sh.global_slice()] = torch_to_numpy(sh.data)
+            values = torch_to_numpy(sh.data)
+            array[sh.global_slice()] = values
             meta = ZarrArrayMeta(sh.key, tuple(array.shape), tuple(array.chunks), sh.dtype, ".")
-            for name in chunk_names(meta, sh.global_box()):
+            box = sh.global_box()
+            values = values.reshape(box.shape)
+            for name, chunk in chunk_regions(meta, box):
+                # The chunk file holds exactly these bytes (no compressor, C order): hash them
+                # from memory instead of reading the file back.
+                part = np.ascontiguousarray(values[chunk.slices_in(box)])
+                recorder.add_bytes(f"{sh.key}/{name}", memoryview(part.reshape(-1).view(np.uint8)), sh.key)
                 _fsync_file(checkpoint_dir / sh.key / name)
         for key in arrays:
             fsync_directory(checkpoint_dir / key)

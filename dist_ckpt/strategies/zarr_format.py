@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import torch
 from ..core import CorruptCheckpointError, KeyMismatchError, MismatchError, ShardingError
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..geometry import Box, intersect
+from ..integrity import load_manifest, update_manifest, verification_enabled, verify_bytes
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .base import LoadShardedStrategy
 
@@ -40,6 +42,8 @@ __all__ = [
     "torch_to_numpy",
     "numpy_to_torch",
     "chunk_names",
+    "chunk_regions",
+    "chunk_count",
     "ZarrArrayLoadStrategy",
 ]
 
@@ -89,8 +93,10 @@ def read_zarray(checkpoint_dir: Path, key: str) -> ZarrArrayMeta:
     path = Path(checkpoint_dir) / key / ZARRAY
     if not path.is_file():
         raise KeyMismatchError(f"Tensor '{key}' is not in the checkpoint ({path} does not exist)")
+    raw = path.read_bytes()
+    verify_bytes(checkpoint_dir, f"{key}/{ZARRAY}", 0, raw, what=f"'{key}' array metadata")
     try:
-        meta = json.loads(path.read_bytes())
+        meta = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
@@ -130,14 +136,27 @@ def list_zarr_arrays(checkpoint_dir: Path) -> List[str]:
     return sorted(p.parent.name for p in Path(checkpoint_dir).glob(f"*/{ZARRAY}"))
 
 
-def chunk_names(meta: ZarrArrayMeta, region: Box) -> Iterator[str]:
-    """Relative file names of the chunks that ``region`` touches."""
+def chunk_count(meta: ZarrArrayMeta, region: Box) -> int:
+    """How many chunks ``region`` touches."""
+    return math.prod((o + s - 1) // c - o // c + 1 for o, s, c in zip(region.offset, region.shape, meta.chunks))
+
+
+def chunk_regions(meta: ZarrArrayMeta, region: Box) -> Iterator[Tuple[str, Box]]:
+    """(relative file name, box of the array) of each chunk that ``region`` touches."""
     if not meta.shape:
-        yield "0"
+        yield "0", Box((), ())
         return
     ranges = [range(o // c, (o + s - 1) // c + 1) for o, s, c in zip(region.offset, region.shape, meta.chunks)]
     for idx in _product(ranges):
-        yield meta.separator.join(map(str, idx))
+        offset = tuple(i * c for i, c in zip(idx, meta.chunks))
+        shape = tuple(min(c, s - o) for o, c, s in zip(offset, meta.chunks, meta.shape))
+        yield meta.separator.join(map(str, idx)), Box(offset, shape)
+
+
+def chunk_names(meta: ZarrArrayMeta, region: Box) -> Iterator[str]:
+    """Relative file names of the chunks that ``region`` touches."""
+    for name, _ in chunk_regions(meta, region):
+        yield name
 
 
 def _product(ranges: List[range]) -> Iterator[Tuple[int, ...]]:
@@ -192,6 +211,7 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)
+        self._verified = set()  # chunk files verified during this load
         arrays: Dict[str, Tuple[ZarrArrayMeta, Any]] = {}
         for sh in nested_values(sharded_state_dict):
             if not isinstance(sh, ShardedTensor):
@@ -217,21 +237,16 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
             )
         if len(meta.shape) != len(sh.global_shape):
             raise MismatchError(f"'{sh.key}': the checkpoint has {len(meta.shape)} axes, the request {len(sh.global_shape)}")
+        bounds = Box((0,) * len(meta.shape), meta.shape)
+        regions = [(sub, intersect(sub.box, bounds)) for sub in sh.piece().subboxes()]
+        regions = [(sub, region) for sub, region in regions if region is not None]
+        for _, region in regions:  # before anything is allocated
+            self._check_chunks(checkpoint_dir, meta, region)
         # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
         sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
         buffer = sh.data if sh.data.is_contiguous() else sh.data.contiguous()
         flat = buffer.view(-1)
-        bounds = Box((0,) * len(meta.shape), meta.shape)
-        for sub in sh.piece().subboxes():
-            region = intersect(sub.box, bounds)
-            if region is None:
-                continue
-            for name in chunk_names(meta, region):
-                if not (checkpoint_dir / sh.key / name).is_file():
-                    raise CorruptCheckpointError(
-                        f"'{sh.key}': chunk file {checkpoint_dir / sh.key / name} is missing; "
-                        f"the checkpoint is incomplete (refusing to read fill values)"
-                    )
+        for sub, region in regions:
             values = numpy_to_torch(self._read_region(array, region), sh.dtype, f"'{sh.key}' {region}")
             dst = flat[sub.flat_start : sub.flat_start + sub.box.numel].view(sub.box.shape)[region.slices_in(sub.box)]
             if tuple(values.shape) != tuple(dst.shape):
@@ -239,6 +254,37 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
             dst.copy_(values)
         if buffer is not sh.data:
             sh.data.copy_(buffer)
+
+    def _check_chunks(self, checkpoint_dir: Path, meta: ZarrArrayMeta, region: Box) -> None:
+        """Every chunk ``region`` needs exists with the size of a chunk and, with a manifest,
+        its checksum. Checked before reading: readers would return fill values instead."""
+        array_dir = checkpoint_dir / meta.key
+        if chunk_count(meta, region) > len(os.listdir(array_dir)):
+            raise CorruptCheckpointError(
+                f"'{meta.key}': {array_dir} holds fewer files than the {chunk_count(meta, region)} chunks its "
+                f".zarray says {region} needs; the checkpoint is incomplete or its metadata damaged"
+            )
+        itemsize = torch.empty(0, dtype=meta.dtype).element_size()
+        chunk_bytes = math.prod(meta.chunks) * itemsize
+        for name, _ in chunk_regions(meta, region):
+            path = array_dir / name
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"'{meta.key}': chunk file {path} is missing; the checkpoint is incomplete "
+                    f"(refusing to read fill values)"
+                ) from None
+            if size != chunk_bytes:
+                raise CorruptCheckpointError(
+                    f"'{meta.key}': chunk file {path} has {size} bytes, an uncompressed chunk has {chunk_bytes}; "
+                    f"the file is truncated or damaged"
+                )
+            if verification_enabled() and load_manifest(checkpoint_dir) is not None and path not in self._verified:
+                verify_bytes(checkpoint_dir, f"{meta.key}/{name}", 0, path.read_bytes(), what=f"'{meta.key}' chunk {name}")
+                self._verified.add(path)
+
+    _verified: set
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         result = {}
@@ -253,6 +299,7 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
         return self.load_tensors_metadata(checkpoint_dir)
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
-        for key in list_zarr_arrays(Path(checkpoint_dir)):
-            if key.startswith(key_prefix):
-                shutil.rmtree(Path(checkpoint_dir) / key)
+        removed = [key for key in list_zarr_arrays(Path(checkpoint_dir)) if key.startswith(key_prefix)]
+        update_manifest(Path(checkpoint_dir), drop=lambda e: e.file.split("/")[0] in removed, add=[])
+        for key in removed:
+            shutil.rmtree(Path(checkpoint_dir) / key)

@@ -1,0 +1,311 @@
+"""Checksums of everything a checkpoint holds: computed while writing, verified while reading.
+
+Every writer (torch_dist items, zarr chunks and ``.zarray`` files, ``common.pt``, object files,
+``.metadata``) hashes the bytes as it writes them (xxh3-64, no second pass over the data) and
+adds an entry ``(file, offset, length, hash, key)`` to the save's ``Recorder``. The
+coordinator gathers all ranks' entries when it commits and writes ``dist_ckpt_manifest.json``
+beside ``metadata.json`` (a file of its own, so Megatron-Core still reads the checkpoint).
+
+Readers check each byte range they read against the manifest (``verify_bytes``), unless
+``load(..., verify_checksums=False)``. Checkpoints without a manifest (Megatron-Core's, older
+ones) load with the check skipped and logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import xxhash
+
+from .core import CorruptCheckpointError, atomic_write_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MANIFEST_FNAME",
+    "HASH_ALGORITHM",
+    "ManifestEntry",
+    "Manifest",
+    "Recorder",
+    "HashingWriter",
+    "recorder_for",
+    "forget_recorder",
+    "hash_bytes",
+    "load_manifest",
+    "write_manifest",
+    "update_manifest",
+    "verification",
+    "verification_enabled",
+    "verify_bytes",
+    "read_verified",
+]
+
+MANIFEST_FNAME = "dist_ckpt_manifest.json"
+MANIFEST_FORMAT = "dist_ckpt-manifest"
+MANIFEST_VERSION = 1
+HASH_ALGORITHM = "xxh3_64"
+_MAX_MANIFEST_BYTES = 256 << 20
+
+
+def hash_bytes(data: Union[bytes, bytearray, memoryview]) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """``length`` bytes at ``offset`` of ``file`` (relative to the checkpoint) hash to ``hash``."""
+
+    file: str
+    offset: int
+    length: int
+    hash: str
+    key: Optional[str] = None
+
+
+class HashingWriter:
+    """A write-only file wrapper that hashes what passes through, item by item.
+
+    ``start_item()`` begins a new hashed range; ``finish_item()`` returns (offset, length,
+    hash) of the bytes written since. Writes go straight to the file (no buffering copy).
+    """
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._pos = raw.tell()
+        self._start = self._pos
+        self._hasher = xxhash.xxh3_64()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self._hasher.update(view)
+        written = self._raw.write(view)
+        self._pos += len(view)
+        return written if written is not None else len(view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def start_item(self) -> None:
+        self._start = self._pos
+        self._hasher.reset()
+
+    def finish_item(self) -> Tuple[int, int, str]:
+        return self._start, self._pos - self._start, self._hasher.hexdigest()
+
+
+class Recorder:
+    """The manifest entries one rank produced during one save (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._entries: List[ManifestEntry] = []
+        self._lock = threading.Lock()
+
+    def add(self, file: str, offset: int, length: int, hash: str, key: Optional[str] = None) -> None:
+        with self._lock:
+            self._entries.append(ManifestEntry(file, offset, length, hash, key))
+
+    def add_bytes(self, file: str, data: Union[bytes, memoryview], key: Optional[str] = None) -> None:
+        self.add(file, 0, len(data), hash_bytes(data), key)
+
+    def entries(self) -> List[ManifestEntry]:
+        with self._lock:
+            return list(self._entries)
+
+
+_recorders: Dict[str, Recorder] = {}
+_recorders_lock = threading.Lock()
+
+
+def recorder_for(checkpoint_dir: Union[str, os.PathLike]) -> Recorder:
+    """The recorder of the save writing ``checkpoint_dir`` (a fresh one if none was opened:
+    a strategy used on its own still hashes, and the entries are simply not kept)."""
+    key = os.path.abspath(checkpoint_dir)
+    with _recorders_lock:
+        return _recorders.setdefault(key, Recorder())
+
+
+def forget_recorder(checkpoint_dir: Union[str, os.PathLike]) -> List[ManifestEntry]:
+    """End the save's recording; returns this rank's entries."""
+    with _recorders_lock:
+        recorder = _recorders.pop(os.path.abspath(checkpoint_dir), None)
+    return recorder.entries() if recorder else []
+
+
+# -- the manifest file -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Manifest:
+    entries: Dict[Tuple[str, int], ManifestEntry]
+    files: Dict[str, List[ManifestEntry]]
+
+    @classmethod
+    def from_entries(cls, entries: List[ManifestEntry]) -> "Manifest":
+        by_range: Dict[Tuple[str, int], ManifestEntry] = {}
+        files: Dict[str, List[ManifestEntry]] = {}
+        for e in entries:
+            by_range[(e.file, e.offset)] = e
+            files.setdefault(e.file, []).append(e)
+        return cls(by_range, files)
+
+    def lookup(self, file: str, offset: int) -> Optional[ManifestEntry]:
+        return self.entries.get((file, offset))
+
+
+def write_manifest(checkpoint_dir: Path, entries: List[ManifestEntry]) -> None:
+    content = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "hash": HASH_ALGORITHM,
+        "entries": [asdict(e) for e in sorted(entries, key=lambda e: (e.file, e.offset))],
+    }
+    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, json.dumps(content, indent=0).encode())
+
+
+def parse_manifest(raw: bytes, where: str) -> Manifest:
+    """Parse manifest bytes strictly; anything malformed is a ``CorruptCheckpointError``."""
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where} is {len(raw)} bytes, larger than any manifest dist_ckpt writes")
+    try:
+        content = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(content, dict) or content.get("format") != MANIFEST_FORMAT:
+        raise CorruptCheckpointError(f"{where} is not a dist_ckpt manifest")
+    if content.get("version") != MANIFEST_VERSION or content.get("hash") != HASH_ALGORITHM:
+        raise CorruptCheckpointError(
+            f"{where}: manifest version {content.get('version')!r} / hash {content.get('hash')!r} is not "
+            f"supported (expected {MANIFEST_VERSION} / {HASH_ALGORITHM}); upgrade dist_ckpt"
+        )
+    unknown = set(content) - {"format", "version", "hash", "entries"}
+    if unknown:
+        raise CorruptCheckpointError(f"{where}: unknown fields {sorted(unknown)}")
+    raw_entries = content.get("entries")
+    if not isinstance(raw_entries, list):
+        raise CorruptCheckpointError(f"{where}: 'entries' must be a list")
+    entries = []
+    for i, e in enumerate(raw_entries):
+        if (
+            not isinstance(e, dict)
+            or set(e) != {"file", "offset", "length", "hash", "key"}
+            or not isinstance(e["file"], str)
+            or not _is_plain_relative(e["file"])
+            or not _is_count(e["offset"])
+            or not _is_count(e["length"])
+            or not isinstance(e["hash"], str)
+            or len(e["hash"]) != 16
+            or not all(c in "0123456789abcdef" for c in e["hash"])
+            or not (e["key"] is None or isinstance(e["key"], str))
+        ):
+            raise CorruptCheckpointError(f"{where}: entry {i} is malformed: {str(e)[:200]}")
+        entries.append(ManifestEntry(e["file"], e["offset"], e["length"], e["hash"], e["key"]))
+    return Manifest.from_entries(entries)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
+
+
+def _is_plain_relative(name: str) -> bool:
+    parts = name.split("/")
+    return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
+
+
+def update_manifest(checkpoint_dir: Path, drop: "Callable[[ManifestEntry], bool]", add: List[ManifestEntry]) -> None:
+    """Rewrite the manifest (if there is one) without the entries ``drop`` selects, plus ``add``."""
+    manifest = load_manifest(checkpoint_dir)
+    if manifest is None:
+        return
+    kept = [e for entries in manifest.files.values() for e in entries if not drop(e)]
+    write_manifest(Path(checkpoint_dir), kept + add)
+
+
+_manifest_cache: Dict[str, Tuple[Tuple[int, int], Optional[Manifest]]] = {}
+_manifest_lock = threading.Lock()
+_logged_missing: set = set()
+
+
+def load_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Manifest]:
+    """The checkpoint's manifest, or None (logged once) if it has none."""
+    path = Path(checkpoint_dir) / MANIFEST_FNAME
+    key = os.path.abspath(path)
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        if key not in _logged_missing:
+            _logged_missing.add(key)
+            logger.info("%s has no %s (written by Megatron-Core or an older dist_ckpt): checksums not verified",
+                        checkpoint_dir, MANIFEST_FNAME)
+        return None
+    stamp = (st.st_mtime_ns, st.st_size)
+    with _manifest_lock:
+        cached = _manifest_cache.get(key)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+    manifest = parse_manifest(path.read_bytes(), str(path))
+    with _manifest_lock:
+        _manifest_cache[key] = (stamp, manifest)
+    return manifest
+
+
+# -- verification -----------------------------------------------------------------------------------
+
+_verify: contextvars.ContextVar[bool] = contextvars.ContextVar("dist_ckpt_verify_checksums", default=True)
+
+
+@contextlib.contextmanager
+def verification(enabled: bool) -> Iterator[None]:
+    """Turn checksum verification on or off for the loads inside the block (this thread)."""
+    token = _verify.set(enabled)
+    try:
+        yield
+    finally:
+        _verify.reset(token)
+
+
+def verification_enabled() -> bool:
+    return _verify.get()
+
+
+def verify_bytes(checkpoint_dir: Union[str, os.PathLike], file: str, offset: int, data: bytes,
+                 what: Optional[str] = None) -> None:
+    """Check ``data`` read at ``offset`` of ``file`` against the manifest (if any)."""
+    if not verification_enabled():
+        return
+    manifest = load_manifest(checkpoint_dir)
+    if manifest is None:
+        return
+    entry = manifest.lookup(file, offset)
+    label = what or (entry.key if entry and entry.key else file)
+    path = Path(checkpoint_dir) / file
+    if entry is None:
+        raise CorruptCheckpointError(
+            f"{path}: bytes at offset {offset} ({label}) are not listed in {MANIFEST_FNAME}; the checkpoint "
+            f"was modified after it was saved (load with verify_checksums=False to skip the check)"
+        )
+    if entry.length != len(data) or hash_bytes(data) != entry.hash:
+        raise CorruptCheckpointError(
+            f"{path}: checksum mismatch for {label} at bytes [{offset}, {offset + entry.length}) "
+            f"(read {len(data)} bytes); the file is damaged"
+        )
+
+
+def read_verified(checkpoint_dir: Union[str, os.PathLike], file: str, what: Optional[str] = None) -> bytes:
+    """A whole small file's bytes, checked against the manifest."""
+    data = (Path(checkpoint_dir) / file).read_bytes()
+    verify_bytes(checkpoint_dir, file, 0, data, what)
+    return data

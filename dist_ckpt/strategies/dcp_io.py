@@ -1,0 +1,252 @@
+"""File I/O of the 'torch_dist' format: writing ``.distcp`` files and ``.metadata``, reading
+them back with every offset, size, name and checksum checked.
+
+Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written (its stream
+extensions would add transform descriptors that Megatron-Core cannot read), and its writer
+keeps every tensor of a file alive until the file closes. The bytes written are the same: each
+item is a standalone ``torch.save`` blob (bytes items verbatim) at the offset and length the
+pickled ``Metadata`` records, one fsync per file. Reading keeps DCP's ``FileSystemReader`` for
+its stream transforms but replaces unpickling and item reads with checked versions.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..core import CheckpointNotFoundError, CorruptCheckpointError, atomic_write_bytes, fsync_directory
+from ..integrity import HashingWriter, Recorder, hash_bytes, verify_bytes
+from ..safe_unpickle import safe_pickle_load, safe_torch_load
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DCP_METADATA_FNAME", "DCP_FORMAT_VERSION", "write_dcp_files", "write_dcp_metadata", "DcpReader"]
+
+DCP_METADATA_FNAME = ".metadata"
+DCP_FORMAT_VERSION = "1.0.0"  # what DCP (and Megatron-Core) record in Metadata.version
+
+ItemData = Union[torch.Tensor, io.BytesIO]
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    element_size = torch.empty(0, dtype=item.tensor_data.properties.dtype).element_size()
+    return torch.Size(item.tensor_data.chunk.sizes).numel() * element_size
+
+
+def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
+    """Items split into ``count`` files of similar size (bytes items spread round-robin)."""
+    if count <= 1:
+        return [items]
+    buckets: List[List[WriteItem]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for i, item in enumerate(it for it in items if it.type == WriteItemType.BYTE_IO):
+        buckets[i % count].append(item)
+    for item in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True):
+        smallest = sizes.index(min(sizes))
+        buckets[smallest].append(item)
+        sizes[smallest] += _item_nbytes(item)
+    return [b for b in buckets if b]
+
+
+def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
+                    recorder: Recorder) -> List[WriteResult]:
+    results = []
+    with open(path, "wb") as raw:
+        stream = HashingWriter(raw)
+        for item in items:
+            stream.start_item()
+            data = resolve(item)
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(data.getbuffer())
+            else:
+                tensor = data.detach().cpu()
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+                    tensor = tensor.clone()  # torch.save would write the whole underlying storage
+                torch.save(tensor, stream)
+                del tensor, data  # one tensor alive at a time (streamed saves depend on it)
+            offset, length, digest = stream.finish_item()
+            recorder.add(name, offset, length, digest, item.index.fqn)
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+        raw.flush()
+        os.fsync(raw.fileno())
+    return results
+
+
+def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
+                    recorder: Recorder, thread_count: int = 1) -> List[WriteResult]:
+    """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced."""
+    buckets = _buckets(items, thread_count)
+    results: List[List[WriteResult]] = [[] for _ in buckets]
+    errors: List[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            name = f"{prefix}{i}.distcp"
+            results[i] = _write_one_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder)
+        except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"dist_ckpt-writer-{i}") for i in range(1, len(buckets))]
+    for t in threads:
+        t.start()
+    if buckets:
+        run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for rs in results for r in rs]
+
+
+def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[WriteResult], recorder: Recorder) -> None:
+    """Coordinator: complete ``metadata`` with where every item went and write ``.metadata``."""
+    metadata.version = DCP_FORMAT_VERSION
+    metadata.storage_data = {r.index: r.storage_data for r in results}
+    metadata.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir))
+    content = pickle.dumps(metadata)
+    recorder.add(DCP_METADATA_FNAME, 0, len(content), hash_bytes(content))
+    atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, content)
+    fsync_directory(checkpoint_dir)
+
+
+class DcpReader(FileSystemReader):
+    """DCP's reader with the allowlisted unpickler, checksum verification and checked offsets,
+    sizes and file names."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / DCP_METADATA_FNAME
+        if not path.is_file():
+            raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint")
+        content = path.read_bytes()
+        verify_bytes(self.path, DCP_METADATA_FNAME, 0, content, what="the DCP index")
+        metadata = safe_pickle_load(io.BytesIO(content), what=str(path))
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
+        if not isinstance(metadata.storage_data, dict):
+            raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
+        for index, info in metadata.storage_data.items():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+                raise CorruptCheckpointError(
+                    f"{path} names data file {name!r}, which is not a plain file name inside the checkpoint"
+                )
+            if not (_is_count(getattr(info, "offset", None)) and _is_count(getattr(info, "length", None))):
+                raise CorruptCheckpointError(f"{path}: item '{index.fqn}' has an invalid offset or length")
+        return metadata
+
+    def check_plan(self, metadata: Metadata, items: List[ReadItem], chunk_nbytes: List[int]) -> None:
+        """Before anything is allocated: every item must lie inside its file, and each tensor
+        chunk must fit in the bytes recorded for it (so hostile metadata cannot make us
+        allocate more than the checkpoint holds)."""
+        sizes: Dict[str, int] = {}
+        for item, nbytes in zip(items, chunk_nbytes):
+            info = metadata.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "
+                    f"entry in the storage table of {self.path}/.metadata"
+                )
+            name = info.relative_path
+            if name not in sizes:
+                try:
+                    sizes[name] = os.stat(Path(self.path) / name).st_size
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"data file {Path(self.path) / name} is missing; it holds '{item.storage_index.fqn}'"
+                    ) from None
+            if info.offset + info.length > sizes[name]:
+                raise CorruptCheckpointError(
+                    f"{Path(self.path) / name}: '{item.storage_index.fqn}' is recorded at bytes [{info.offset}, "
+                    f"{info.offset}+{info.length}) but the file has {sizes[name]} bytes; the file is truncated "
+                    f"or the metadata is damaged"
+                )
+            if nbytes > info.length:
+                raise CorruptCheckpointError(
+                    f"'{item.storage_index.fqn}': .metadata claims a chunk of {nbytes} bytes stored in "
+                    f"{info.length} bytes; the metadata is damaged"
+                )
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        per_file: Dict[str, List[Tuple[ReadItem, Any]]] = {}
+        for item in plan.items:
+            info = self.storage_data.get(item.storage_index)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "
+                    f"entry in the storage table of {self.path}/.metadata"
+                )
+            per_file.setdefault(info.relative_path, []).append((item, info))
+        for relative_path, reqs in per_file.items():
+            path = Path(self.path) / relative_path
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"data file {path} is missing; it holds '{reqs[0][0].storage_index.fqn}'"
+                ) from None
+            with f:
+                file_size = os.fstat(f.fileno()).st_size
+                blobs: Dict[int, bytes] = {}  # several read items may share one stored item
+                for item, info in sorted(reqs, key=lambda r: r[1].offset):
+                    if info.offset not in blobs:
+                        blobs = {info.offset: self._read_blob(f, path, file_size, item, info)}
+                    self._apply(blobs[info.offset], path, item, planner)
+        future: Any = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _read_blob(self, f: Any, path: Path, file_size: int, item: ReadItem, info: Any) -> bytes:
+        fqn = item.storage_index.fqn
+        offset, length = info.offset, info.length
+        if offset + length > file_size:
+            raise CorruptCheckpointError(
+                f"{path}: '{fqn}' is recorded at bytes [{offset}, {offset}+{length}) but the file has "
+                f"{file_size} bytes; the file is truncated or the metadata is damaged"
+            )
+        f.seek(offset)
+        blob = f.read(length)
+        verify_bytes(self.path, info.relative_path, offset, blob, what=f"'{fqn}'")
+        if info.transform_descriptors:
+            blob = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(blob)).read()
+        return blob
+
+    @staticmethod
+    def _apply(blob: bytes, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
+        what = f"'{item.storage_index.fqn}' in {path}"
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(blob))
+            return
+        tensor = safe_torch_load(blob, what=what)
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(item.storage_offsets):
+            raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+            if start + length > tensor.shape[dim]:
+                raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(tensor.shape)} is smaller than .metadata says")
+            tensor = tensor.narrow(dim, start, length)
+        target = planner.resolve_tensor(item).detach()
+        if target.shape != tensor.shape or target.dtype != tensor.dtype:
+            raise CorruptCheckpointError(
+                f"{what}: stored chunk has {tensor.dtype} {tuple(tensor.shape)}, .metadata promised "
+                f"{target.dtype} {tuple(target.shape)}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
