@@ -1,4 +1,4 @@
-"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``strategies``."""
+"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``validate``, ``clean``, ``strategies``."""
 
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
     convert.add_argument("--version", type=int, default=1)
     sub.add_parser("strategies", help="list registered strategies and whether their libraries are installed")
+    clean = sub.add_parser("clean", help="remove what interrupted saves left (staging directories), restore "
+                                         "a checkpoint an interrupted overwrite moved aside")
+    clean.add_argument("path", help="a checkpoint directory, or a directory of checkpoints")
     args = parser.parse_args(argv)
     from .core import CheckpointingException
 
@@ -54,6 +57,15 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             convert_checkpoint(args.src, args.dst, args.backend, args.version)
             print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
+        elif args.command == "clean":
+            from pathlib import Path
+
+            from .commit import clean as clean_leftovers
+
+            removed = clean_leftovers(Path(args.path))
+            for path in removed:
+                print(f"removed {path}")
+            print(f"{len(removed)} leftover(s) removed")
         elif args.command == "strategies":
             from .strategies.base import list_strategies
 

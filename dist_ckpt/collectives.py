@@ -99,33 +99,47 @@ class DistWrapper:
         self.is_coordinator = self.rank == coordinator_rank
 
     # -- raw object collectives --------------------------------------------------------------
+    def _collective(self, name: str, fn: Callable[[], R]) -> R:
+        """Run a torch.distributed call; a dead or stuck peer becomes our error, not a hang
+        (the process group's timeout bounds the wait) or a bare RuntimeError."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report peer failures as RuntimeError
+            raise CheckpointingException(
+                f"collective {name} failed on rank {self.rank}: {e}. Another rank probably died or timed out; "
+                f"nothing was committed"
+            ) from e
+
     def all_gather_object(self, obj: T) -> List[T]:
         if not self.use_dist:
             return [obj]
         out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._collective("all_gather_object", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def gather_object(self, obj: T) -> Optional[List[T]]:
         if not self.use_dist:
             return [obj]
         out: Optional[List[Any]] = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._global(self.coordinator_rank), group=self.group)
+        dst = self._global(self.coordinator_rank)
+        self._collective("gather_object", lambda: dist.gather_object(obj, out, dst=dst, group=self.group))
         return out
 
     def broadcast_object(self, obj: Optional[T]) -> T:
         if not self.use_dist:
             return obj  # type: ignore[return-value]
         box = [obj]
-        dist.broadcast_object_list(box, src=self._global(self.coordinator_rank), group=self.group)
+        src = self._global(self.coordinator_rank)
+        self._collective("broadcast_object_list", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
     def scatter_object(self, objs: Optional[List[T]]) -> T:
         if not self.use_dist:
             return objs[0]  # type: ignore[index]
         out: List[Any] = [None]
-        dist.scatter_object_list(out, objs if self.is_coordinator else None,
-                                 src=self._global(self.coordinator_rank), group=self.group)
+        src = self._global(self.coordinator_rank)
+        self._collective("scatter_object_list", lambda: dist.scatter_object_list(
+            out, objs if self.is_coordinator else None, src=src, group=self.group))
         return out[0]
 
     def all_reduce_min(self, value: int) -> int:
@@ -134,7 +148,7 @@ class DistWrapper:
         t = torch.tensor([value], dtype=torch.int64)
         if dist.get_backend(self.group) == "nccl":
             t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
         return int(t.item())
 
     def _global(self, group_rank: int) -> int:

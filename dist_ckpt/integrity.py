@@ -82,16 +82,33 @@ class HashingWriter:
         self._pos = raw.tell()
         self._start = self._pos
         self._hasher = xxhash.xxh3_64()
+        self.error: Optional[OSError] = None  # torch.save hides its writer's errors; we keep them
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._hasher.update(view)
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as e:
+            self.error = self.error or e
+            raise
         self._pos += len(view)
         return written if written is not None else len(view)
 
     def tell(self) -> int:
         return self._pos
+
+    def torch_save(self, obj: Any) -> None:
+        """``torch.save(obj)`` into this stream, with the writer's own error (e.g. ENOSPC)
+        raised instead of the "unexpected pos" torch reports for it."""
+        import torch
+
+        try:
+            torch.save(obj, self)
+        except RuntimeError:
+            if self.error is not None:
+                raise self.error from None
+            raise
 
     def flush(self) -> None:
         self._raw.flush()

@@ -13,12 +13,14 @@ import datetime
 import os
 import pickle
 import tempfile
-from typing import Any, Callable, List
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "COLLECTIVE_TIMEOUT_S"]
+__all__ = ["run_distributed", "run_processes", "ProcessOutcome", "COLLECTIVE_TIMEOUT_S"]
 
 COLLECTIVE_TIMEOUT_S = 60  # every collective of the group times out after this
 
@@ -51,3 +53,55 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
                 results.append(pickle.load(f))
         return results
+
+
+@dataclass
+class ProcessOutcome:
+    """How one rank of ``run_processes`` ended."""
+
+    rank: int
+    exitcode: Optional[int]  # None: still running at the deadline (then killed); < 0: signal
+    result: Any  # fn's return value if it returned
+    seconds: float  # from start to exit
+
+
+def _outcome_worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, args: tuple) -> None:
+    start = time.monotonic()
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp}/pg_init", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    result = fn(rank, world_size, *args)
+    with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
+        pickle.dump((result, time.monotonic() - start), f)
+    # No destroy_process_group: a peer may be dead, and the barrier it implies would wait.
+
+
+def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, collective_timeout_s: float = 20,
+                  deadline_s: float = 120) -> List[ProcessOutcome]:
+    """Like ``run_distributed``, but ranks may die (fault injection): returns how each ended.
+
+    A rank still alive at ``deadline_s`` is killed and reported with ``exitcode=None``, which
+    is how a test sees a hang.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
+        procs = [ctx.Process(target=_outcome_worker, args=(r, fn, world_size, tmp, collective_timeout_s, args))
+                 for r in range(world_size)]
+        start = time.monotonic()
+        for p in procs:
+            p.start()
+        outcomes = []
+        for rank, p in enumerate(procs):
+            p.join(max(0.0, deadline_s - (time.monotonic() - start)))
+            hung = p.is_alive()
+            if hung:
+                p.kill()
+                p.join()
+            result, seconds = None, time.monotonic() - start
+            path = os.path.join(tmp, f"result_{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    result, seconds = pickle.load(f)
+            outcomes.append(ProcessOutcome(rank, None if hung else p.exitcode, result, seconds))
+        return outcomes

@@ -36,7 +36,7 @@ def durable_torch_save(obj: Any, path: Path, checkpoint_dir: Path, key: Optional
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         stream = HashingWriter(f)
-        torch.save(obj, stream)
+        stream.torch_save(obj)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

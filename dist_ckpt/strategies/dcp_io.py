@@ -76,7 +76,7 @@ def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Call
                 tensor = data.detach().cpu()
                 if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
                     tensor = tensor.clone()  # torch.save would write the whole underlying storage
-                torch.save(tensor, stream)
+                stream.torch_save(tensor)
                 del tensor, data  # one tensor alive at a time (streamed saves depend on it)
             offset, length, digest = stream.finish_item()
             recorder.add(name, offset, length, digest, item.index.fqn)
