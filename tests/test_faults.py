@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 
 from ..collectives import get_rank
 from ..core import CheckpointNotFoundError, CorruptCheckpointError, fsync_directory
