@@ -39,6 +39,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
     convert.add_argument("--version", type=int, default=1)
     sub.add_parser("strategies", help="list registered strategies and whether their libraries are installed")
+    validate = sub.add_parser("validate", help="check a checkpoint: structure, coverage, checksums")
+    validate.add_argument("directory")
     clean = sub.add_parser("clean", help="remove what interrupted saves left (staging directories), restore "
                                          "a checkpoint an interrupted overwrite moved aside")
     clean.add_argument("path", help="a checkpoint directory, or a directory of checkpoints")
@@ -57,6 +59,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             convert_checkpoint(args.src, args.dst, args.backend, args.version)
             print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
+        elif args.command == "validate":
+            from .validate import validate_checkpoint
+
+            report = validate_checkpoint(args.directory)
+            for warning in report.warnings:
+                print(f"warning: {warning}")
+            for problem in report.problems:
+                print(f"PROBLEM: {problem}")
+            print(f"{args.directory}: {'OK' if report.ok else 'INVALID'} ({report.checksums_verified} checksums "
+                  f"verified in {report.files_checked} files, {len(report.problems)} problems)")
+            return 0 if report.ok else 1
         elif args.command == "clean":
             from pathlib import Path
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["Box", "Piece", "SubBox", "intersect", "flat_range_to_subboxes"]
+__all__ = ["Box", "Piece", "SubBox", "intersect", "flat_range_to_subboxes", "find_overlap"]
 
 Shape = Tuple[int, ...]
 
@@ -136,3 +136,20 @@ class Piece:
         if self.flat_start is None:
             return [SubBox(self.box, 0)]
         return flat_range_to_subboxes(self.box, self.flat_start, self.flat_stop)
+
+
+def find_overlap(pieces: Sequence[Tuple[Any, Piece]]) -> Optional[Tuple[Any, Any, Box]]:
+    """Two labelled pieces that share an element, as (label, label, common box), or None.
+
+    Sweep along axis 0 over the contiguous sub-boxes: near-linear for the usual layouts."""
+    boxes = sorted(((sub.box, label) for label, p in pieces for sub in p.subboxes() if sub.box.numel),
+                   key=lambda b: b[0].offset)
+    for i, (box, label) in enumerate(boxes):
+        end0 = box.offset[0] + box.shape[0] if box.shape else 0
+        for other, other_label in boxes[i + 1:]:
+            if box.shape and other.offset[0] >= end0:
+                break
+            common = intersect(box, other)
+            if common is not None:
+                return label, other_label, common
+    return None

@@ -19,7 +19,7 @@ from enum import Enum
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .core import KeyMismatchError, ShardingError
-from .geometry import intersect
+from .geometry import find_overlap
 from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
 
 logger = logging.getLogger(__name__)
@@ -144,20 +144,13 @@ def _check_no_overlap(key: str, main: Sequence[Tuple[int, ShardedTensor]]) -> No
                 )
             seen[offset] = rank
         return
-    boxes = sorted(
-        ((sub.box, rank, sh.global_offset) for rank, sh in main for sub in sh.piece().subboxes() if sub.box.numel),
-        key=lambda b: b[0].offset,
-    )
-    for i, (box, rank, offset) in enumerate(boxes):
-        end0 = box.offset[0] + box.shape[0] if box.shape else 0
-        for other, other_rank, other_offset in boxes[i + 1 :]:
-            if box.shape and other.offset[0] >= end0:
-                break
-            if intersect(box, other) is not None:
-                raise ShardingError(
-                    f"'{key}': main replicas overlap: rank {rank} (offset {offset}) and rank {other_rank} "
-                    f"(offset {other_offset}) both hold elements around {intersect(box, other).offset}"
-                )
+    overlap = find_overlap([((rank, sh.global_offset), sh.piece()) for rank, sh in main])
+    if overlap is not None:
+        (rank, offset), (other_rank, other_offset), common = overlap
+        raise ShardingError(
+            f"'{key}': main replicas overlap: rank {rank} (offset {offset}) and rank {other_rank} "
+            f"(offset {other_offset}) both hold elements around {common.offset}"
+        )
 
 
 def _validate_object_key(key: str, shards: List[Tuple[int, ShardedObject]], require_all: bool) -> None:

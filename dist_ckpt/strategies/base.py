@@ -151,6 +151,15 @@ class LoadShardedStrategy(LoadStrategyBase):
         """Drop every tensor whose key starts with ``key_prefix`` from the checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot remove tensors")
 
+    def check_structure(self, checkpoint_dir: Path) -> List[str]:
+        """Problems with the stored data's structure and coverage (``dist-ckpt validate``),
+        without reading tensor bytes. The default only checks that the metadata loads."""
+        try:
+            self.load_tensors_metadata(checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            return [f"{type(e).__name__}: {e}"]
+        return []
+
 
 class SaveCommonStrategy(SaveStrategyBase):
     """Writes the non-sharded part (and, for backends that need it, ShardedObjects)."""

@@ -33,7 +33,15 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..collectives import DistWrapper
-from ..core import CorruptCheckpointError, KeyMismatchError, ShardingError, atomic_write_bytes, fsync_directory
+from ..core import (
+    CheckpointingException,
+    CorruptCheckpointError,
+    KeyMismatchError,
+    ShardingError,
+    atomic_write_bytes,
+    fsync_directory,
+)
+from ..geometry import find_overlap
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity import ManifestEntry, hash_bytes, recorder_for, update_manifest
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -47,6 +55,7 @@ from .torch_dist_plan import (
     make_local_save_plan,
     plan_tensor_reads,
     stored_global_shape,
+    stored_tensor_catalog,
 )
 
 logger = logging.getLogger(__name__)
@@ -214,6 +223,11 @@ class _ViewLoadPlanner(LoadPlanner):
                 sh.data.copy_(buffer)
 
 
+def _bytes_read_item(unique_key: str) -> ReadItem:
+    index = MetadataIndex(unique_key)
+    return ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))
+
+
 def _nbytes(shape: Any, dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
 
@@ -252,8 +266,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"ShardedObject '{sh_obj.unique_key}' is not in the checkpoint (shards stored for "
                     f"'{sh_obj.key}': {stored}); objects cannot be resharded"
                 )
-            index = MetadataIndex(sh_obj.unique_key)
-            items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0])))
+            items.append(_bytes_read_item(sh_obj.unique_key))
         planner = _ViewLoadPlanner(requests, tasks)
         reader.set_up_storage_reader(metadata, True)
         reader.read_data(LoadPlan(items), planner)
@@ -289,6 +302,40 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 result[sh_obj.unique_key] = sh_obj
         result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return result
+
+    def check_structure(self, checkpoint_dir: Path) -> List[str]:
+        """Every tensor covered exactly once by its chunks, every item inside its file."""
+        try:
+            metadata = read_dcp_metadata(checkpoint_dir)
+        except CheckpointingException as e:
+            return [str(e)]
+        problems = []
+        mcore_data = getattr(metadata, "mcore_data", None) or {}
+        reader = DcpReader(checkpoint_dir)
+        for key, md in sorted(metadata.state_dict_metadata.items()):
+            if isinstance(md, BytesStorageMetadata):
+                items, nbytes = [_bytes_read_item(key)], [0]
+            else:
+                try:
+                    chunks = stored_tensor_catalog(key, md, mcore_data)
+                except CheckpointingException as e:
+                    problems.append(str(e))
+                    continue
+                shape = stored_global_shape(key, md, mcore_data)
+                covered = sum(c.piece.numel for c in chunks)
+                overlap = find_overlap([(c.index.offset, c.piece) for c in chunks])
+                if overlap is not None:
+                    problems.append(f"'{key}': stored chunks at {list(overlap[0])} and {list(overlap[1])} overlap")
+                elif covered != torch.Size(shape).numel():
+                    problems.append(f"'{key}': stored chunks hold {covered} of {torch.Size(shape).numel()} elements")
+                items = [ReadItem(LoadItemType.TENSOR, c.index, torch.Size([]), c.index, torch.Size([]), torch.Size([]))
+                         for c in chunks]
+                nbytes = [_nbytes(c.stored_sizes, md.properties.dtype) for c in chunks]
+            try:
+                reader.check_plan(metadata, items, nbytes)
+            except CheckpointingException as e:
+                problems.append(str(e))
+        return problems
 
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Rewrite ``.metadata`` without the keys starting with ``key_prefix`` (atomically),

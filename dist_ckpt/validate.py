@@ -1,0 +1,100 @@
+"""``dist-ckpt validate``: check a whole checkpoint without loading it into a model.
+
+Three passes, each collecting problems instead of stopping at the first:
+  1. structure: metadata.json, the strategies it names, the manifest, common.pt, object files,
+     and the backend's own layout (``LoadShardedStrategy.check_structure``: every item inside
+     its file, every chunk file present and whole);
+  2. coverage: every tensor's stored chunks cover its global shape exactly once (part of the
+     backend check);
+  3. checksums: every range the manifest lists is read and hashed; files the manifest does
+     not know are reported.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Union
+
+from .core import CheckpointingException
+from .integrity import MANIFEST_FNAME, hash_bytes, load_manifest, verification
+from .mapping import ShardedObject
+
+__all__ = ["ValidationReport", "validate_checkpoint"]
+
+
+@dataclass
+class ValidationReport:
+    directory: Path
+    problems: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    checksums_verified: int = 0
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike]) -> ValidationReport:
+    from .serialization import verify_checkpoint_and_load_strategy
+
+    directory = Path(checkpoint_dir)
+    report = ValidationReport(directory)
+    try:
+        with verification(False):  # pass 3 checks every checksum, once
+            sharded, common = verify_checkpoint_and_load_strategy(directory)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return report
+    try:
+        manifest = load_manifest(directory)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        manifest = None
+    with verification(False):
+        for step in (lambda: common.load_common(directory), lambda: _load_objects(directory, sharded, common)):
+            try:
+                step()
+            except CheckpointingException as e:
+                report.problems.append(str(e))
+        report.problems.extend(sharded.check_structure(directory))
+    if manifest is None:
+        report.warnings.append(f"no {MANIFEST_FNAME}: checksums cannot be verified (a Megatron-Core or older checkpoint)")
+        return report
+    for name, entries in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            report.problems.append(f"{path} is listed in the manifest but missing")
+            continue
+        report.files_checked += 1
+        with open(path, "rb") as f:
+            for entry in entries:
+                f.seek(entry.offset)
+                data = f.read(entry.length)
+                if len(data) != entry.length or hash_bytes(data) != entry.hash:
+                    report.problems.append(
+                        f"{path}: checksum mismatch for {entry.key or name} at bytes "
+                        f"[{entry.offset}, {entry.offset + entry.length})"
+                    )
+                else:
+                    report.checksums_verified += 1
+    known = set(manifest.files) | {MANIFEST_FNAME}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel not in known:
+            report.warnings.append(f"{path} is not covered by the manifest")
+    return report
+
+
+def _load_objects(directory: Path, sharded, common) -> None:
+    from .serialization import load_sharded_metadata
+
+    objects = {k: v for k, v in load_sharded_metadata(directory, sharded, common).items() if isinstance(v, ShardedObject)}
+    if not objects:
+        return
+    if sharded.can_handle_sharded_objects:
+        sharded.load(objects, directory)
+    else:
+        common.load_sharded_objects(objects, directory)
