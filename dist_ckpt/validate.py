@@ -69,6 +69,9 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike]) -> ValidationRe
             report.problems.append(f"{path} is listed in the manifest but missing")
             continue
         report.files_checked += 1
+        end = max(e.offset + e.length for e in entries)
+        if path.stat().st_size != end:
+            report.problems.append(f"{path} has {path.stat().st_size} bytes, the manifest accounts for {end}")
         with open(path, "rb") as f:
             for entry in entries:
                 f.seek(entry.offset)

@@ -1,0 +1,188 @@
+"""Broken and hostile checkpoints: each is a clear error of ours, nothing runs, nothing huge is
+allocated, and the checkpoint next to it is untouched."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_ckpt
+from dist_ckpt import CheckpointingException, CorruptCheckpointError, ShardedObject, ShardedTensor
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.validate import validate_checkpoint
+
+W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+
+
+def _save(path: Path, backend: str) -> Path:
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", W.clone()), "o": ShardedObject("o", {"k": 1}, (1,), (0,)),
+                    "step": 3}, path, sharded_strategy=(backend, 1))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pristine")
+    return {b: _save(root / b, b) for b in ("torch_dist", "zarr")}
+
+
+@pytest.fixture
+def ckpts(pristine, tmp_path):
+    return {b: Path(shutil.copytree(p, tmp_path / b)) for b, p in pristine.items()}
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _distcp(ckpt: Path) -> Path:
+    return next(ckpt.glob("*.distcp"))
+
+
+def _w_data_offset(ckpt: Path) -> int:
+    """Where w's raw values sit in the .distcp file (inside its torch.save blob)."""
+    return _distcp(ckpt).read_bytes().find(W.numpy().tobytes()) + 17
+
+
+def _rewrite_dcp_metadata(ckpt: Path, change) -> None:
+    with dist_ckpt.trusted_unpickling():
+        metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    change(metadata)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    (ckpt / "dist_ckpt_manifest.json").unlink()  # a forger would drop it; without it only structure protects
+
+
+def _w_storage(metadata):
+    return next(v for k, v in metadata.storage_data.items() if k.fqn == "w")
+
+
+def _huge_shape(metadata):
+    md = metadata.state_dict_metadata["w"]
+    md.size = torch.Size([1 << 40, 8])
+    md.chunks[0].sizes = torch.Size([1 << 40, 8])
+
+
+def _escape(metadata):
+    _w_storage(metadata).relative_path = "../../etc/passwd"
+
+
+def _far_offset(metadata):
+    _w_storage(metadata).offset = 10 ** 9
+
+
+def _overflow(metadata):
+    _w_storage(metadata).offset = 1 << 70
+
+
+def _zarray(ckpt: Path, **fields) -> None:
+    path = ckpt / "w" / ".zarray"
+    meta = json.loads(path.read_text())
+    meta.update(fields)
+    path.write_text(json.dumps(meta))
+    (ckpt / "dist_ckpt_manifest.json").unlink()
+
+
+CASES = {
+    # name: (backend, how to break it, error type, message fragment)
+    "distcp flipped byte": ("torch_dist", lambda c: _flip(_distcp(c), _w_data_offset(c)),
+                            CorruptCheckpointError, "checksum mismatch for 'w'"),
+    "distcp truncated": ("torch_dist", lambda c: _distcp(c).write_bytes(_distcp(c).read_bytes()[:300]),
+                         CorruptCheckpointError, "the file is truncated"),
+    "distcp zero length": ("torch_dist", lambda c: _distcp(c).write_bytes(b""), CorruptCheckpointError, "has 0 bytes"),
+    "distcp deleted": ("torch_dist", lambda c: _distcp(c).unlink(), CorruptCheckpointError, "is missing"),
+    ".metadata flipped byte": ("torch_dist", lambda c: _flip(c / ".metadata", 40), CorruptCheckpointError,
+                               "checksum mismatch for the DCP index"),
+    ".metadata truncated": ("torch_dist", lambda c: (c / ".metadata").write_bytes((c / ".metadata").read_bytes()[:50]),
+                            CorruptCheckpointError, ".metadata"),
+    ".metadata huge shape": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _huge_shape), CorruptCheckpointError,
+                             "claims a chunk of 35184372088832 bytes"),
+    ".metadata path escapes": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _escape), CorruptCheckpointError,
+                               "'../../etc/passwd', which is not a plain file name"),
+    ".metadata offset past the file": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _far_offset),
+                                       CorruptCheckpointError, "recorded at bytes [1000000000"),
+    ".metadata offset overflow": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _overflow), CorruptCheckpointError,
+                                  "invalid offset or length"),
+    "zarr chunk flipped byte": ("zarr", lambda c: _flip(c / "w" / "0.0", 7), CorruptCheckpointError,
+                                "checksum mismatch for 'w' chunk 0.0"),
+    "zarr chunk truncated": ("zarr", lambda c: (c / "w" / "0.0").write_bytes(b"\0" * 10), CorruptCheckpointError,
+                             "has 10 bytes, an uncompressed chunk has 256"),
+    "zarr chunk deleted": ("zarr", lambda c: (c / "w" / "0.0").unlink(), CorruptCheckpointError, "is missing"),
+    "zarray huge shape": ("zarr", lambda c: _zarray(c, shape=[1 << 40, 8], chunks=[1, 8]), CorruptCheckpointError,
+                          "fewer files than the 1099511627776 chunks"),
+    "zarray bad types": ("zarr", lambda c: _zarray(c, shape=[-8, "x"]), CorruptCheckpointError,
+                         "'shape' must be a list of non-negative ints"),
+    "zarray compressed": ("zarr", lambda c: _zarray(c, compressor={"id": "blosc"}), CorruptCheckpointError,
+                          "compressed or filtered arrays"),
+    "zarray flipped": ("zarr", lambda c: _flip(c / "w" / ".zarray", 3), CorruptCheckpointError,
+                       "'w' array metadata"),
+    "common.pt flipped": ("torch_dist", lambda c: _flip(c / "common.pt", 120), CorruptCheckpointError,
+                          "checksum mismatch for common.pt"),
+    "common.pt truncated": ("zarr", lambda c: (c / "common.pt").write_bytes((c / "common.pt").read_bytes()[:99]),
+                            CorruptCheckpointError, "common.pt"),
+    "object file flipped": ("zarr", lambda c: _flip(c / "o" / "shard_0_1.pt", 100), CorruptCheckpointError,
+                            "checksum mismatch for o/shard_0_1"),
+    "manifest not JSON": ("torch_dist", lambda c: (c / "dist_ckpt_manifest.json").write_text("{"),
+                          CorruptCheckpointError, "dist_ckpt_manifest.json is not valid JSON"),
+    "manifest entry malformed": ("zarr", lambda c: (c / "dist_ckpt_manifest.json").write_text(json.dumps(
+        {"format": "dist_ckpt-manifest", "version": 1, "hash": "xxh3_64",
+         "entries": [{"file": "../x", "offset": 0, "length": 1, "hash": "0" * 16, "key": None}]})),
+        CorruptCheckpointError, "entry 0 is malformed"),
+    "metadata.json edited": ("torch_dist", lambda c: (c / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
+        '"common_backend_version": 1} '), CorruptCheckpointError, "checksum mismatch for metadata.json"),
+}
+
+
+PLAIN = {".metadata huge shape", "zarray huge shape"}  # cases about allocation: whole tensors by metadata
+
+
+def _load_everything(ckpt: Path):
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 8)), "o": ShardedObject("o", None, (1,), (0,))}
+    return dist_ckpt.load(request, ckpt)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_broken_checkpoint_is_a_clear_error(ckpts, pristine, name):
+    backend, breaker, error, fragment = CASES[name]
+    ckpt = ckpts[backend]
+    breaker(ckpt)
+    with pytest.raises(error, match=re.escape(fragment)):
+        if name in PLAIN:
+            dist_ckpt.load_plain_tensors(ckpt)  # would allocate the shape the metadata claims
+        else:
+            _load_everything(ckpt)
+    report = validate_checkpoint(ckpt)
+    assert not report.ok and report.problems, report
+    # the untouched checkpoint beside it still loads bit-exact
+    loaded = _load_everything(pristine[backend])
+    assert tensors_bitwise_equal(loaded["w"], W) and loaded["o"] == {"k": 1} and loaded["step"] == 3
+
+
+def test_without_a_manifest_checks_are_skipped_and_logged(ckpts, caplog):
+    ckpt = ckpts["torch_dist"]
+    (ckpt / "dist_ckpt_manifest.json").unlink()
+    with caplog.at_level("INFO", logger="dist_ckpt"):
+        loaded = _load_everything(ckpt)
+    assert tensors_bitwise_equal(loaded["w"], W)
+    assert "checksums not verified" in caplog.text
+
+
+def test_verification_can_be_turned_off(ckpts):
+    ckpt = ckpts["torch_dist"]
+    _flip(_distcp(ckpt), _w_data_offset(ckpt))
+    with pytest.raises(CorruptCheckpointError):
+        _load_everything(ckpt)
+    loaded = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8, 8))}, ckpt, verify_checksums=False)
+    assert not tensors_bitwise_equal(loaded["w"], W)  # what a checksum-less load silently returns
+
+
+def test_every_error_is_ours(ckpts):
+    assert all(issubclass(err, CheckpointingException) for _, _, err, _ in CASES.values())
