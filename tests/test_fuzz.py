@@ -1,0 +1,126 @@
+"""Property-based tests of every parser of on-disk metadata: whatever the bytes, the result is
+a value or one of our errors - never another exception, never code run. (Resharding round
+trips are fuzzed in test_mapping_validation.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dist_ckpt
+from dist_ckpt import CheckpointingException, ShardedTensor
+from dist_ckpt.core import CONFIG_FNAME, maybe_load_config
+from dist_ckpt.integrity import parse_manifest
+from dist_ckpt.safe_unpickle import safe_pickle_load, safe_torch_load
+from dist_ckpt.strategies.zarr_format import read_zarray
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    max_leaves=20,
+)
+config_like = st.fixed_dictionaries(
+    {}, optional={"sharded_backend": json_values, "sharded_backend_version": json_values,
+                  "common_backend": json_values, "common_backend_version": json_values, "extra": json_values})
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=200), json_values.map(lambda v: json.dumps(v).encode()),
+                 config_like.map(lambda v: json.dumps(v).encode())))
+def test_metadata_json_parser(tmp_path, raw):
+    (tmp_path / CONFIG_FNAME).write_bytes(raw)
+    try:
+        config = maybe_load_config(tmp_path)
+    except CheckpointingException:
+        return
+    assert isinstance(config.sharded_backend, str) and isinstance(config.sharded_backend_version, int)
+
+
+entry_like = st.fixed_dictionaries({"file": json_values, "offset": json_values, "length": json_values,
+                                    "hash": json_values | st.text("0123456789abcdef", min_size=16, max_size=16),
+                                    "key": json_values})
+manifest_like = st.fixed_dictionaries(
+    {"format": st.sampled_from(["dist_ckpt-manifest", "other"]) | json_values,
+     "version": st.sampled_from([1, 2]) | json_values, "hash": st.sampled_from(["xxh3_64"]) | json_values,
+     "entries": st.lists(entry_like, max_size=4) | json_values})
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=200), manifest_like.map(lambda v: json.dumps(v).encode())))
+def test_manifest_parser(raw):
+    try:
+        manifest = parse_manifest(raw, "manifest")
+    except CheckpointingException:
+        return
+    for entry in manifest.entries.values():
+        assert ".." not in entry.file.split("/") and not entry.file.startswith("/")
+        assert entry.offset >= 0 and entry.length >= 0
+
+
+zarray_like = st.fixed_dictionaries(
+    {"shape": st.lists(st.integers(-3, 10 ** 6), max_size=4) | json_values,
+     "chunks": st.lists(st.integers(-3, 10 ** 6), max_size=4) | json_values,
+     "dtype": st.sampled_from(["<f4", "bfloat16", "|b1", ">f8", "<c8"]) | json_values,
+     "zarr_format": st.sampled_from([2, 3]) | json_values, "compressor": st.none() | json_values,
+     "filters": st.none() | json_values, "order": st.sampled_from(["C", "F"]) | json_values},
+    optional={"dimension_separator": st.sampled_from([".", "/", "x"]) | json_values})
+
+
+@SETTINGS
+@given(st.one_of(st.binary(max_size=100), zarray_like.map(lambda v: json.dumps(v).encode())))
+def test_zarray_parser(tmp_path, raw):
+    (tmp_path / "k").mkdir(exist_ok=True)
+    (tmp_path / "k" / ".zarray").write_bytes(raw)
+    try:
+        meta = read_zarray(tmp_path, "k")
+    except CheckpointingException:
+        return
+    assert len(meta.shape) == len(meta.chunks) and all(c > 0 for s, c in zip(meta.shape, meta.chunks) if s)
+
+
+@pytest.fixture(scope="module")
+def dcp_metadata_bytes(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("c") / "c"
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4)),
+                    "o": dist_ckpt.ShardedObject("o", 1, (1,), (0,))}, ckpt)
+    return (ckpt / ".metadata").read_bytes()
+
+
+@SETTINGS
+@given(st.data())
+def test_damaged_pickles_never_escape_our_errors(dcp_metadata_bytes, data):
+    raw = bytearray(dcp_metadata_bytes)
+    for _ in range(data.draw(st.integers(1, 8))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    for blob in (bytes(raw), bytes(raw[:cut])):
+        try:
+            safe_pickle_load(io.BytesIO(blob), ".metadata")
+        except CheckpointingException:
+            pass
+        try:
+            safe_torch_load(blob, "blob")
+        except CheckpointingException:
+            pass
+
+
+@SETTINGS
+@given(st.binary(max_size=300))
+def test_random_bytes_as_dcp_index(tmp_path, raw):
+    ckpt = tmp_path / "c"
+    if not ckpt.exists():
+        dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, ckpt)
+        (ckpt / "dist_ckpt_manifest.json").unlink()
+    (ckpt / ".metadata").write_bytes(raw or pickle.dumps(None))
+    with pytest.raises(CheckpointingException):
+        dist_ckpt.load_plain_tensors(ckpt)
