@@ -224,3 +224,42 @@ def test_dist_ckpt_clean_removes_leftovers_but_keeps_checkpoints(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     _assert_holds(ckpt, 1, 1)
     assert clean(ckpt) == []
+
+
+def _async_save_with_killed_writer(rank, world, ckpt, kill_rank):
+    import dist_ckpt.integrity as integrity_mod
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    parent = os.getpid()
+    if rank == kill_rank:
+        original = integrity_mod.HashingWriter.write
+
+        def write(self, data):
+            if os.getpid() != parent:
+                _die()  # only the forked background writer dies, mid-file
+            return original(self, data)
+
+        integrity_mod.HashingWriter.write = write
+    try:
+        request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
+                                 sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
+        queue = dist_ckpt.AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "ok"
+
+
+@pytest.mark.parametrize("kill_rank", [0, 1])
+def test_sigkill_of_a_background_writer_process(tmp_path, kill_rank):
+    ckpt = str(tmp_path / "ckpt")
+    assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
+    outcomes = run_processes(_async_save_with_killed_writer, 2, ckpt, kill_rank,
+                             collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes  # the ranks themselves survive
+    assert outcomes[0].result == outcomes[1].result, outcomes  # and raise the same error
+    assert outcomes[0].result[0] == "CheckpointingException"
+    assert "background checkpoint writer" in outcomes[0].result[1] and "SIGKILL" in outcomes[0].result[1]
+    _assert_holds(ckpt, 2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the failed save cleaned up

@@ -18,6 +18,9 @@ A failure in the background write on any rank surfaces, on every rank, from the 
 from __future__ import annotations
 
 import logging
+import os
+import pickle
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Tuple
@@ -27,7 +30,7 @@ from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncRequest", "AsyncCallsQueue"]
+__all__ = ["AsyncRequest", "AsyncCallsQueue", "run_in_forked_process"]
 
 
 @dataclass
@@ -155,3 +158,37 @@ class AsyncCallsQueue:
     def close(self) -> None:
         """Finalize every outstanding call (blocking)."""
         self.maybe_finalize_async_calls(blocking=True)
+
+
+def run_in_forked_process(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` in a forked child (it sees this process's memory, e.g. staged tensors, with
+    no copy and no pickling) and return its picklable result. The child only writes files;
+    if it dies (killed, out of memory) that is a ``CheckpointingException`` here, not a hang.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no collectives, no threads of the parent; report and exit
+        os.close(read_fd)
+        try:
+            payload = pickle.dumps(("ok", fn()))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+            payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
+        with os.fdopen(write_fd, "wb") as f:
+            f.write(payload)
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        payload = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        raise CheckpointingException(
+            f"the background checkpoint writer (pid {pid}) was killed by {signal.Signals(sig).name}; "
+            f"the checkpoint was not committed"
+        )
+    if not payload:
+        raise CheckpointingException(f"the background checkpoint writer (pid {pid}) exited without a result")
+    kind, value = pickle.loads(payload)
+    if kind == "error":
+        raise CheckpointingException(f"the background checkpoint writer failed: {value}")
+    return value

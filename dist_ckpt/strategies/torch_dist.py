@@ -43,10 +43,10 @@ from ..core import (
 )
 from ..geometry import find_overlap
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..integrity import ManifestEntry, hash_bytes, recorder_for, update_manifest
+from ..integrity import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..safe_unpickle import safe_torch_load
-from .async_utils import AsyncRequest
+from .async_utils import AsyncRequest, run_in_forked_process
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .torch_dist_plan import (
@@ -86,11 +86,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     Args:
         thread_count: writer threads (and files) per rank.
+        async_writer: where an asynchronous save writes: "thread" (a background thread of
+            this process) or "process" (a forked child, free of this process's GIL; if it dies,
+            every rank raises at finalization).
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1) -> None:
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1,
+                 async_writer: str = "thread") -> None:
         super().__init__(backend, version)
+        if async_writer not in ("thread", "process"):
+            raise ValueError(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
+        self.async_writer = async_writer
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -125,9 +132,21 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         source = _ItemSource(sources, {o.unique_key: o.data for o in objects})
         write_results: List[Any] = []
 
+        def write_files(into: Recorder) -> List[Any]:
+            return write_dcp_files(checkpoint_dir, f"__{dist.rank}_", plan.items, source, into, self.thread_count)
+
         def write() -> None:
-            write_results.extend(write_dcp_files(checkpoint_dir, f"__{dist.rank}_", plan.items, source,
-                                                 recorder, self.thread_count))
+            if stage and self.async_writer == "process":
+                def in_child() -> Any:
+                    child_recorder = Recorder()
+                    return write_files(child_recorder), child_recorder.entries()
+
+                results, entries = run_in_forked_process(in_child)
+                for e in entries:
+                    recorder.add(e.file, e.offset, e.length, e.hash, e.key)
+                write_results.extend(results)
+            else:
+                write_results.extend(write_files(recorder))
             fsync_directory(checkpoint_dir)
 
         def finish_metadata() -> None:
