@@ -18,6 +18,7 @@ from .core import (
     UnknownStrategyError,
     UnsafePickleError,
 )
+from .commit import ConcurrentSaveError
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -86,6 +87,7 @@ __all__ = [
     "CheckpointingException",
     "CheckpointNotFoundError",
     "CheckpointExistsError",
+    "ConcurrentSaveError",
     "CorruptCheckpointError",
     "ShardingError",
     "MismatchError",

@@ -263,3 +263,30 @@ def test_sigkill_of_a_background_writer_process(tmp_path, kill_rank):
     assert "background checkpoint writer" in outcomes[0].result[1] and "SIGKILL" in outcomes[0].result[1]
     _assert_holds(ckpt, 2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the failed save cleaned up
+
+
+def _zarr_save(rank, world, ckpt, version, kill_rank):
+    import dist_ckpt.strategies.zarr as zarr_mod
+
+    if rank == kill_rank:
+        def fsync_then_die(path):
+            _die()  # right after this rank's first chunk file was written
+
+        zarr_mod._fsync_file = fsync_then_die
+    try:
+        dist_ckpt.save(_state(rank, world, version), ckpt, sharded_strategy=("zarr", 1), overwrite=version > 1)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "ok"
+
+
+def test_zarr_save_killed_midway_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    assert [o.result for o in run_processes(_zarr_save, 2, ckpt, 1, -1)] == ["ok", "ok"]
+    outcomes = run_processes(_zarr_save, 2, ckpt, 2, 1, collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+    assert outcomes[1].exitcode == -signal.SIGKILL and outcomes[0].exitcode == 0
+    assert outcomes[0].result[0] == "CheckpointingException"
+    _assert_holds(ckpt, 2, 1)
+    assert [o.result for o in run_processes(_zarr_save, 2, ckpt, 3, -1)] == ["ok", "ok"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    _assert_holds(ckpt, 2, 3)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import io
 import json
 import pickle
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
