@@ -120,7 +120,7 @@ def read_zarray(checkpoint_dir: Path, key: str) -> ZarrArrayMeta:
         )
     if meta.get("order", "C") != "C":
         raise CorruptCheckpointError(f"{path}: only C order is part of the 'zarr' v1 layout")
-    dtype = _TORCH_BY_ZARR.get(meta.get("dtype"))
+    dtype = _TORCH_BY_ZARR.get(meta["dtype"]) if isinstance(meta.get("dtype"), str) else None
     if dtype is None:
         raise CorruptCheckpointError(
             f"{path}: unsupported dtype {meta.get('dtype')!r}; supported: {sorted(_TORCH_BY_ZARR)}"
