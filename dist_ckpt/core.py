@@ -38,6 +38,7 @@ __all__ = [
     "maybe_load_config",
     "check_is_distributed_checkpoint",
     "fsync_directory",
+    "fsync_path",
     "atomic_write_bytes",
 ]
 
@@ -125,13 +126,16 @@ class CheckpointingConfig:
                 )
 
 
-def fsync_directory(path: PathLike) -> None:
-    """Make a directory's entries (new or renamed files) durable."""
+def fsync_path(path: PathLike) -> None:
+    """Make a file's content, or a directory's entries (new or renamed files), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_directory = fsync_path  # the name that says why at the call sites that fsync a directory
 
 
 def atomic_write_bytes(path: PathLike, data: bytes) -> None:

@@ -272,7 +272,7 @@ def _zarr_save(rank, world, ckpt, version, kill_rank):
         def fsync_then_die(path):
             _die()  # right after this rank's first chunk file was written
 
-        zarr_mod._fsync_file = fsync_then_die
+        zarr_mod.fsync_path = fsync_then_die
     try:
         dist_ckpt.save(_state(rank, world, version), ckpt, sharded_strategy=("zarr", 1), overwrite=version > 1)
     except Exception as e:  # noqa: BLE001

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
@@ -31,13 +30,14 @@ from zarr.core.dtype import DataTypeValidationError, data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
 from ..collectives import DistWrapper
-from ..core import ShardingError, fsync_directory
+from ..core import ShardingError, fsync_directory, fsync_path
 from ..dict_utils import nested_values
 from ..geometry import Box
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from .base import SaveShardedStrategy
 from ..integrity import Recorder, recorder_for
 from .zarr_format import (
+    ZARR_DTYPES,
     ZARRAY,
     ZarrArrayLoadStrategy,
     ZarrArrayMeta,
@@ -131,7 +131,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                         f"'{sh.key}': the zarr backend cannot store flattened ranges (distributed-"
                         f"optimizer state); save with the torch_dist backend"
                     )
-                if sh.dtype not in _SUPPORTED:
+                if sh.dtype not in ZARR_DTYPES:
                     raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend")
             return [_ShardDesc(sh.key, sh.dtype, tuple(sh.global_shape), sh.global_box()) for sh in main]
 
@@ -184,21 +184,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 # from memory instead of reading the file back.
                 part = np.ascontiguousarray(values[chunk.slices_in(box)])
                 recorder.add_bytes(f"{sh.key}/{name}", memoryview(part.reshape(-1).view(np.uint8)), sh.key)
-                _fsync_file(checkpoint_dir / sh.key / name)
+                fsync_path(checkpoint_dir / sh.key / name)
         for key in arrays:
             fsync_directory(checkpoint_dir / key)
-
-
-_SUPPORTED = (torch.float32, torch.float16, torch.float64, torch.bfloat16, torch.int8, torch.uint8,
-              torch.int16, torch.int32, torch.int64, torch.bool)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ZarrLoadShardedStrategy(ZarrArrayLoadStrategy):
