@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
 from .commit import StagedSave, begin_save, is_dist_ckpt_leftover
@@ -39,7 +39,7 @@ from .integrity import (
     verify_bytes,
     write_manifest,
 )
-from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -77,6 +77,7 @@ __all__ = [
     "load_tensors_metadata",
     "load_sharded_metadata",
     "load_plain_tensors",
+    "load_content_metadata",
     "remove_sharded_tensors",
     "check_is_distributed_checkpoint",
     "verify_checkpoint_and_load_strategy",
@@ -142,6 +143,36 @@ def _assemble(template: Any, common: Any, loaded: Any) -> Any:
     return loaded
 
 
+CONTENT_METADATA_KEY = "content_metadata"
+
+
+def _compare_common_state_dicts(
+    dist: DistWrapper, common_state_dict: StateDict, preprocess: Optional[Callable[[StateDict], StateDict]]
+) -> None:
+    """Log where a rank's common state differs from rank 0's (which is the one saved)."""
+    mine = preprocess(common_state_dict) if preprocess else common_state_dict
+    reference = dist.broadcast_object(mine if dist.is_coordinator else None)
+    if not dist.is_coordinator:
+        only_rank0, only_here, mismatch = diff(reference, mine)
+        if only_rank0 or only_here or mismatch:
+            logger.warning(
+                "rank %d's common state dict differs from rank 0's, which is what gets saved: keys only on "
+                "rank 0: %s, only here: %s, different values: %s",
+                dist.rank, only_rank0, only_here, [m[0] for m in mismatch],
+            )
+
+
+def load_content_metadata(
+    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
+) -> Optional[dict]:
+    """The ``content_metadata`` a checkpoint was saved with, or None (Megatron-Core's API)."""
+    if preloaded_state_dict is None:
+        if checkpoint_dir is None:
+            raise CheckpointingException("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
 def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: List[ManifestEntry]) -> None:
     """Coordinator: manifest, then metadata.json (both hashed), then the atomic rename."""
     content = config_bytes(config)
@@ -157,6 +188,8 @@ def save(
     common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
     async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
     *,
     overwrite: bool = False,
 ) -> Optional[AsyncRequest]:
@@ -173,6 +206,13 @@ def save(
             cover every tensor exactly once and that ranks agree on dtypes and shapes.
         async_sharded_save: return an ``AsyncRequest`` that writes the data and commits the
             checkpoint when scheduled and finalized (see ``AsyncCallsQueue``).
+        preprocess_common_before_consistancy_check: as in Megatron-Core: with
+            ``validate_access_integrity``, every rank's common state dict is compared with rank
+            0's (differences are logged, rank 0's is saved); this function, given the common
+            state dict, returns what to compare (e.g. without keys expected to differ).
+        content_metadata: a dict identifying the content (framework versioning), stored in
+            the common state under 'content_metadata'; read it back with
+            ``load_content_metadata``.
         overwrite: replace a committed checkpoint at ``checkpoint_dir``; the old one stays
             in place until the new one is complete, then the two are swapped atomically.
     """
@@ -185,6 +225,10 @@ def save(
             f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded_strategy}"
         )
     sharded_part, common_state_dict, _ = _split_state_dict(sharded_state_dict)
+    if content_metadata is not None:
+        common_state_dict[CONTENT_METADATA_KEY] = content_metadata
+    if validate_access_integrity and dist.world_size > 1:
+        _compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)
 
     def local_metadata() -> Optional[List[ShardedBase]]:
         if not validate_access_integrity:

@@ -269,3 +269,26 @@ def test_factories_and_nonpersistent_objects_reshard(tmp_path):
     assert "cache" not in dist_ckpt.load_common_state_dict(ckpt)
     assert set(dist_ckpt.load_tensors_metadata(ckpt)) == {"mlp.fc1.gate", "mlp.fc1.up"}
     assert run_distributed(_factory_load, 3, ckpt) == [True] * 3
+
+
+def _save_with_differing_common(rank, world, ckpt, preprocess):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("dist_ckpt").addHandler(handler)
+    g = global_tensor("w", (4, 4), torch.float32)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", g[rank * 2:rank * 2 + 2].clone(), (0, rank, 2)),
+          "iteration": 5, "wall_time": 100.0 + rank}
+    drop_time = (lambda common: {k: v for k, v in common.items() if k != "wall_time"}) if preprocess else None
+    dist_ckpt.save(sd, ckpt, preprocess_common_before_consistancy_check=drop_time, content_metadata={"format": "v7"})
+    return [r for r in records if "differs from rank 0" in r]
+
+
+def test_common_state_differences_are_logged_and_content_metadata_kept(tmp_path):
+    warned = run_distributed(_save_with_differing_common, 2, str(tmp_path / "a"), False)
+    assert warned[0] == [] and len(warned[1]) == 1 and "wall_time" in warned[1][0]
+    assert run_distributed(_save_with_differing_common, 2, str(tmp_path / "b"), True) == [[], []]
+    assert dist_ckpt.load_common_state_dict(tmp_path / "a")["wall_time"] == 100.0  # rank 0's is saved
+    assert dist_ckpt.load_content_metadata(tmp_path / "a") == {"format": "v7"}
