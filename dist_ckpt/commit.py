@@ -7,7 +7,8 @@ commits with one atomic rename once everything - data, common state, manifest an
 ``metadata.json`` - is fsynced. Replacing a committed checkpoint (``overwrite=True``) swaps the
 two directories atomically (``renameat2(RENAME_EXCHANGE)``) and deletes the old one only after
 the swap, so a process killed at any instant leaves the old checkpoint or the new one at the
-target, never a mix.
+target, never a mix. A target with files but no ``metadata.json`` (another tool's crashed
+save) is replaced the same way, with a warning, as Megatron-Core does.
 
 Where the filesystem cannot swap, the old checkpoint is first renamed to
 ``.<name>.dist_ckpt-old-<save id>``; if the process dies before the new one is in place,
@@ -183,7 +184,7 @@ class StagedSave:
 
     target: Path
     staging: Path
-    overwrite: bool
+    overwrite: bool  # replace what is at the target (a committed checkpoint, or incomplete files)
     lock: Optional[SaveLock] = None
 
     def commit(self) -> None:
@@ -232,19 +233,22 @@ def begin_save(target: Path, overwrite: bool) -> StagedSave:
         for leftover in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK):
             logger.warning("removing %s, left by an interrupted save", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
+        replace = overwrite
         if target.is_dir() and any(target.iterdir()) and not overwrite:
             if _is_committed(target):
                 raise CheckpointExistsError(
                     f"{target} already holds a committed checkpoint ({CONFIG_FNAME} exists); save to a new "
                     f"directory, or pass overwrite=True to replace it once the new one is complete"
                 )
-            raise CheckpointExistsError(
-                f"{target} is not empty and holds no committed checkpoint; remove it or save elsewhere"
-            )
+            # As Megatron-Core does: an incomplete checkpoint there (a crashed save of another
+            # tool) is replaced - but only once the new one is complete.
+            logger.warning("%s holds files but no committed checkpoint; it will be replaced when this save "
+                           "commits", target)
+            replace = True
         staging = staging_dir_for(target, uuid.uuid4().hex[:12])
         staging.mkdir()
         fsync_directory(target.parent)
     except BaseException:
         lock.release()
         raise
-    return StagedSave(target, staging, overwrite, lock)
+    return StagedSave(target, staging, replace, lock)

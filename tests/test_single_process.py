@@ -363,3 +363,19 @@ def test_what_real_megatron_lm_checkpoints_hold_loads_safely(tmp_path):
     assert got["random_rng_state"] == rng["random_rng_state"]
     assert got["np_rng_state"][0] == "MT19937" and np.array_equal(got["np_rng_state"][1], rng["np_rng_state"][1])
     assert torch.equal(got["rng_tracker_states"]["model-parallel-rng"], rng["torch_rng_state"])
+
+
+def test_incomplete_files_at_the_target_are_replaced_only_on_commit(tmp_path, caplog):
+    """Megatron-Core's behaviour for a directory a crashed save left: overwrite, with a warning."""
+    target = tmp_path / "iter_0000100"
+    target.mkdir()
+    (target / "__0_0.distcp").write_bytes(b"from a crashed save")
+    with pytest.raises(dist_ckpt.CheckpointingException):
+        dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)),
+                        "o": ShardedObject("o", lambda: 0, (1,), (0,))}, target)
+    assert (target / "__0_0.distcp").read_bytes() == b"from a crashed save"  # untouched by a failed save
+    with caplog.at_level("WARNING"):
+        dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, target)
+    assert "holds files but no committed checkpoint" in caplog.text
+    assert torch.equal(dist_ckpt.load_plain_tensors(target)["w"], torch.ones(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100"]
