@@ -92,6 +92,10 @@ class SaveLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
+                if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    logger.warning("%s: this filesystem has no file locks; concurrent saves of %s will not be "
+                                   "detected", self.path, target)
+                    break
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     holder = self.path.read_text(errors="replace").strip() if self.path.exists() else "?"
