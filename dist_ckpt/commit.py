@@ -154,17 +154,15 @@ def recover(target: Path) -> bool:
 
 
 def clean(path: Path) -> List[Path]:
-    """Remove what interrupted saves left: for a checkpoint path, its own leftovers; for any
-    other directory, the leftovers of every checkpoint in it. Leftovers whose save is still
+    """Remove what interrupted saves left beside ``path`` (a checkpoint, existing or not) and,
+    if ``path`` is a directory, beside every checkpoint in it. Leftovers whose save is still
     running (its lock is held) are kept. Returns what was removed."""
-    path = Path(path)
-    targets: List[Path]
-    if path.is_dir() and not _is_committed(path) and not is_dist_ckpt_leftover(path):
+    path = Path(os.path.abspath(path))
+    targets = [path]
+    if path.is_dir() and not _is_committed(path):
         names = {p.name.split(STAGING_MARK)[0].split(OLD_MARK)[0].split(LOCK_MARK)[0][1:]
                  for p in path.iterdir() if is_dist_ckpt_leftover(p)}
-        targets = [path / n for n in sorted(names)] or []
-    else:
-        targets = [path]
+        targets += [path / n for n in sorted(names)]
     removed: List[Path] = []
     for target in targets:
         try:
