@@ -256,14 +256,27 @@ def test_async_save_commits_only_at_finalization(tmp_path):
     assert torch.equal(dist_ckpt.load_plain_tensors(tmp_path / "c")["w"], torch.arange(6.0))
 
 
-def test_failed_async_write_raises_at_finalization_and_commits_nothing(tmp_path):
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", lambda: 1, (1,), (0,))}
+def test_failed_async_write_raises_at_finalization_and_commits_nothing(tmp_path, monkeypatch):
+    import dist_ckpt.strategies.torch_dist as torch_dist
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch_dist, "write_dcp_files", full_disk)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
     request = dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
     queue = dist_ckpt.AsyncCallsQueue()
     queue.schedule_async_request(request)
-    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed"):
+    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed with OSError.*No space left"):
         queue.maybe_finalize_async_calls(blocking=True)
-    assert not (tmp_path / "c" / "metadata.json").exists()
+    assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_unpicklable_object_fails_the_async_save_call_itself(tmp_path):
+    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", lambda: 1, (1,), (0,))}
+    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed with AttributeError: Can't pickle"):
+        dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- safe unpickling --------------------------------------------------------------------------------

@@ -66,18 +66,27 @@ __all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read
 # -- save -----------------------------------------------------------------------------------------
 
 
+def _serialize_objects(objects: List[ShardedObject]) -> Dict[str, bytes]:
+    """Each object as the format stores it (``torch.save([obj])``), taken now: an
+    asynchronous save holds the objects' state at the time it was called."""
+    blobs = {}
+    for o in objects:
+        buffer = io.BytesIO()
+        torch.save([o.data], buffer)
+        blobs[o.unique_key] = buffer.getvalue()
+    return blobs
+
+
 class _ItemSource:
     """The bytes of each write item: a view of this rank's tensor, or an object's blob."""
 
-    def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, Any]) -> None:
+    def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, bytes]) -> None:
         self._tensors = tensors
         self._objects = objects
 
     def __call__(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
-            buffer = io.BytesIO()
-            torch.save([self._objects[write_item.index.fqn]], buffer)
-            return buffer
+            return io.BytesIO(self._objects[write_item.index.fqn])
         return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
 
 
@@ -95,7 +104,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                  async_writer: str = "thread") -> None:
         super().__init__(backend, version)
         if async_writer not in ("thread", "process"):
-            raise ValueError(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
+            raise CheckpointingException(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
         self.async_writer = async_writer
 
@@ -123,13 +132,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             global_metadata.append(metadata)
             return plans
 
-        plan: SavePlan = dist.reduce_scatter(lambda: make_local_save_plan(tensors, objects), global_step)
+        object_blobs: Dict[str, bytes] = {}
+
+        def local_step() -> Any:
+            object_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
+            return make_local_save_plan(tensors, objects)
+
+        plan: SavePlan = dist.reduce_scatter(local_step, global_step)
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         sources: Dict[MetadataIndex, torch.Tensor] = {}
         for item, sh in zip(tensor_items, tensors):
             data = sh.data.detach()
             sources[item.index] = data.to("cpu", copy=True) if stage else data
-        source = _ItemSource(sources, {o.unique_key: o.data for o in objects})
+        source = _ItemSource(sources, object_blobs)
         write_results: List[Any] = []
 
         def write_files(into: Recorder) -> List[Any]:
@@ -173,7 +188,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 raise ShardingError(f"save_stream: keys {clash} appear in more than one batch")
             (plan,), batch_metadata = make_global_save_plan([make_local_save_plan(tensors, objects)])
             sources = {item.index: sh.data.detach() for item, sh in zip(plan.items, tensors)}
-            source = _ItemSource(sources, {o.unique_key: o.data for o in objects})
+            source = _ItemSource(sources, _serialize_objects(objects))
             results.extend(write_dcp_files(checkpoint_dir, f"__{i}_", plan.items, source, recorder))
             del sources, source, tensors, leaves
             metadata.state_dict_metadata.update(batch_metadata.state_dict_metadata)
