@@ -74,7 +74,10 @@ def _outcome_worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_
     result = fn(rank, world_size, *args)
     with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
         pickle.dump((result, time.monotonic() - start), f)
-    # No destroy_process_group: a peer may be dead, and the barrier it implies would wait.
+    # No destroy_process_group (a peer may be dead and it would wait), and no interpreter
+    # shutdown either: with a broken group, gloo's threads can abort the process on the way
+    # out, which would hide that this rank finished normally.
+    os._exit(0)
 
 
 def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, collective_timeout_s: float = 20,
