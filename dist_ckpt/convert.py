@@ -15,7 +15,7 @@ from typing import Iterator, Union
 
 from .commit import begin_save
 from .core import CheckpointingConfig
-from .integrity import forget_recorder, recorder_for
+from .integrity import forget_recorder, open_recorder
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from .serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import StrategyAction, resolve_strategy
@@ -35,7 +35,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
     objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
     staged = begin_save(dst, overwrite=False)
-    recorder_for(staged.staging)
+    open_recorder(staged.staging)
     try:
         _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects)
         config = CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version)

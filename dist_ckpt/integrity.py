@@ -36,6 +36,7 @@ __all__ = [
     "Manifest",
     "Recorder",
     "HashingWriter",
+    "open_recorder",
     "recorder_for",
     "forget_recorder",
     "hash_bytes",
@@ -147,12 +148,17 @@ _recorders: Dict[str, Recorder] = {}
 _recorders_lock = threading.Lock()
 
 
-def recorder_for(checkpoint_dir: Union[str, os.PathLike]) -> Recorder:
-    """The recorder of the save writing ``checkpoint_dir`` (a fresh one if none was opened:
-    a strategy used on its own still hashes, and the entries are simply not kept)."""
-    key = os.path.abspath(checkpoint_dir)
+def open_recorder(checkpoint_dir: Union[str, os.PathLike]) -> Recorder:
+    """Start recording the manifest entries of the save writing ``checkpoint_dir``."""
     with _recorders_lock:
-        return _recorders.setdefault(key, Recorder())
+        return _recorders.setdefault(os.path.abspath(checkpoint_dir), Recorder())
+
+
+def recorder_for(checkpoint_dir: Union[str, os.PathLike]) -> Recorder:
+    """The recorder of the save writing ``checkpoint_dir``; a throwaway one if no save opened
+    one (a strategy used on its own still hashes; the entries are simply not kept)."""
+    with _recorders_lock:
+        return _recorders.get(os.path.abspath(checkpoint_dir)) or Recorder()
 
 
 def forget_recorder(checkpoint_dir: Union[str, os.PathLike]) -> List[ManifestEntry]:

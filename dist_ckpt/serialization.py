@@ -34,7 +34,7 @@ from .integrity import (
     ManifestEntry,
     forget_recorder,
     hash_bytes,
-    recorder_for,
+    open_recorder,
     verification,
     verify_bytes,
     write_manifest,
@@ -244,7 +244,7 @@ def save(
         return str(staged[0].staging)
 
     staging = Path(dist.all_reduce(local_metadata, prepare))
-    recorder_for(staging)
+    open_recorder(staging)
 
     def abort() -> None:
         forget_recorder(staging)
