@@ -82,6 +82,9 @@ __all__ = [
     "check_is_distributed_checkpoint",
     "verify_checkpoint_and_load_strategy",
     "commit_staged",
+    "get_default_save_sharded_strategy",
+    "get_default_save_common_strategy",
+    "get_default_load_sharded_strategy",
     "DEFAULT_SAVE_BACKEND",
 ]
 
@@ -465,3 +468,18 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     """Remove every tensor whose key starts with ``key_prefix`` (call from one process)."""
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
     sharded.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    """The registered SAVE_SHARDED strategy for (backend, version) (Megatron-Core's helper)."""
+    return resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version), None)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+    """The registered SAVE_COMMON strategy for (backend, version) (Megatron-Core's helper)."""
+    return resolve_strategy(StrategyAction.SAVE_COMMON, (backend, version), None)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
+    """The strategy that reads ``checkpoint_dir``, from its metadata.json (Megatron-Core's helper)."""
+    return verify_checkpoint_and_load_strategy(checkpoint_dir)[0]

@@ -123,3 +123,20 @@ def test_optional_libraries_are_imported_only_when_used():
     '''))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True", "True", "True", "True"]
+
+
+def test_megatron_core_strategy_helpers(tmp_path):
+    from dist_ckpt.serialization import (
+        get_default_load_sharded_strategy,
+        get_default_save_common_strategy,
+        get_default_save_sharded_strategy,
+    )
+
+    save = get_default_save_sharded_strategy()
+    assert (save.backend, save.version) == ("torch_dist", 1)
+    assert get_default_save_sharded_strategy("zarr").backend == "zarr"
+    assert get_default_save_common_strategy().backend == "torch"
+    assert type(get_default_load_sharded_strategy(FIXTURES / "mcore0.10_zarr_w3")).__name__ == "TensorStoreLoadShardedStrategy"
+    assert isinstance(get_default_load_sharded_strategy(FIXTURES / "mcore0.16_torch_dist_w3"), TorchDistLoadShardedStrategy)
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError):
+        get_default_load_sharded_strategy(tmp_path)
