@@ -93,21 +93,13 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
     return _BF16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
 
 
-@dataclass(frozen=True)
-class _ShardDesc:
-    key: str
-    dtype: torch.dtype
-    global_shape: Tuple[int, ...]
-    box: Box
-
-
-def _chunk_grid(descs: List[_ShardDesc]) -> Tuple[int, ...]:
+def _chunk_grid(descs: List[ShardedTensor]) -> Tuple[int, ...]:
     """Chunk size per axis: the gcd of the axis size and every shard boundary, so that each
     shard is a whole number of chunks (equal to the shard shape on a regular grid)."""
     shape = descs[0].global_shape
     chunks = []
     for axis, size in enumerate(shape):
-        values = [size] + [v for d in descs for v in (d.box.offset[axis], d.box.shape[axis])]
+        values = [size] + [v for d in descs for v in (d.global_box().offset[axis], d.global_box().shape[axis])]
         chunks.append(reduce(math.gcd, values) or 1)
     return tuple(chunks)
 
@@ -123,7 +115,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         dist = DistWrapper()
         main = [t for t in nested_values(sharded_state_dict) if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
 
-        def describe() -> List[_ShardDesc]:
+        def describe() -> List[ShardedTensor]:
             for sh in main:
                 check_zarr_key(sh.key)
                 if sh.flattened_range is not None:
@@ -133,10 +125,10 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                     )
                 if sh.dtype not in ZARR_DTYPES:
                     raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend")
-            return [_ShardDesc(sh.key, sh.dtype, tuple(sh.global_shape), sh.global_box()) for sh in main]
+            return [sh.without_data() for sh in main]  # what the coordinator needs, no bytes
 
-        def create_arrays(all_descs: List[List[_ShardDesc]]) -> None:
-            by_key: Dict[str, List[_ShardDesc]] = {}
+        def create_arrays(all_descs: List[List[ShardedTensor]]) -> None:
+            by_key: Dict[str, List[ShardedTensor]] = {}
             for descs in all_descs:
                 for d in descs:
                     by_key.setdefault(d.key, []).append(d)
@@ -150,7 +142,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         dist.all_run(lambda: self._write_shards(checkpoint_dir, main, recorder))
 
     @staticmethod
-    def _create_array(path: Path, descs: List[_ShardDesc]) -> None:
+    def _create_array(path: Path, descs: List[ShardedTensor]) -> None:
         zarr.create_array(
             store=str(path),
             shape=descs[0].global_shape,

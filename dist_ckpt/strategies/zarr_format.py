@@ -41,7 +41,6 @@ __all__ = [
     "check_zarr_key",
     "torch_to_numpy",
     "numpy_to_torch",
-    "chunk_names",
     "chunk_regions",
     "chunk_count",
     "ZarrArrayLoadStrategy",
@@ -152,11 +151,6 @@ def chunk_regions(meta: ZarrArrayMeta, region: Box) -> Iterator[Tuple[str, Box]]
         shape = tuple(min(c, s - o) for o, c, s in zip(offset, meta.chunks, meta.shape))
         yield meta.separator.join(map(str, idx)), Box(offset, shape)
 
-
-def chunk_names(meta: ZarrArrayMeta, region: Box) -> Iterator[str]:
-    """Relative file names of the chunks that ``region`` touches."""
-    for name, _ in chunk_regions(meta, region):
-        yield name
 
 
 def _product(ranges: List[range]) -> Iterator[Tuple[int, ...]]:
