@@ -29,20 +29,27 @@ def extract_matching_values(
 ) -> Tuple[Nested, Nested]:
     """Split ``x`` into (matching, non-matching) nested structures by a leaf predicate.
 
-    Containers that end up empty are dropped from the side they are empty on. Lists keep
-    their order; with ``return_lists_as_dicts`` they become ``{index: value}`` dicts so that
-    a later ``merge`` can put leaves back at their original positions.
+    Exactly Megatron-Core's rules, because the non-matching side of a state dict is what goes
+    to ``common.pt`` and both libraries must write and read the same thing:
+
+    - an empty dict or list (an optimizer's ``state`` at step 0) is a value of its own and
+      stays on the non-matching side; it is never dropped;
+    - a non-empty container whose leaves all match appears on the matching side only;
+    - lists keep their order, compacted (``[ShardedTensor, None, 5]`` gives ``[None, 5]``);
+      with ``return_lists_as_dicts`` the matching side has ``{index: value}`` dicts instead,
+      so that positions can be restored on load.
     """
 
-    def _set(container, k, v):
+    def _set(container: Any, k: Any, v: Any) -> None:
         if return_lists_as_dicts or isinstance(container, dict):
             container[k] = v
         else:
             container.append(v)
 
     if isinstance(x, dict):
-        matching, nonmatching = {}, {}
-        items = x.items()
+        matching: Any = {}
+        nonmatching: Any = {}
+        items: Any = x.items()
     elif isinstance(x, list):
         matching = {} if return_lists_as_dicts else []
         nonmatching = {} if return_lists_as_dicts else []
@@ -51,12 +58,14 @@ def extract_matching_values(
         raise TypeError(f"Unexpected top-level object type: {type(x)}")
 
     for k, v in items:
-        if isinstance(v, (dict, list)):
+        if isinstance(v, (dict, list)) and v:
             m, nm = extract_matching_values(v, predicate, return_lists_as_dicts)
             if m:
                 _set(matching, k, m)
             if nm:
                 _set(nonmatching, k, nm)
+        elif isinstance(v, (dict, list)):
+            _set(nonmatching, k, v)  # an empty container is a value: keep it
         elif predicate(v):
             _set(matching, k, v)
         else:

@@ -401,9 +401,12 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        if not isinstance(self.key, str) or not self.key or "/" in self.key or self.key in (".", ".."):
+        # '/' is allowed (Megatron-Core allows it; the zarr backend then nests directories), but
+        # never a component that would leave the checkpoint directory.
+        if not isinstance(self.key, str) or any(part in ("", ".", "..") for part in self.key.split("/")):
             raise ShardingError(
-                f"ShardedObject key must be a non-empty string without '/' (and not '.' or '..'), got {self.key!r}"
+                f"ShardedObject key must be a non-empty string whose '/'-separated parts are not empty, "
+                f"'.' or '..', got {self.key!r}"
             )
         try:
             self.global_shape = tuple(self.global_shape)

@@ -105,10 +105,12 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
     """(sharded part, common part, nonpersistent part) after applying factories (in place).
 
     The sharded and nonpersistent parts keep list positions (lists become {index: value});
-    the common part is compacted, as Megatron-Core writes it to common.pt.
+    the common part is what Megatron-Core writes to common.pt: the rest, lists compacted,
+    empty containers kept (see ``dict_utils.extract_matching_values``).
     """
     apply_factories(sharded_state_dict)
-    _, common = extract_matching_values(sharded_state_dict, _is_not_common)
+    _, persistent = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject))
+    _, common = extract_matching_values(persistent, _is_sharded)
     sharded, _ = extract_matching_values(sharded_state_dict, _is_sharded, return_lists_as_dicts=True)
     nonpersistent, _ = extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True
@@ -116,32 +118,52 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
     return sharded, common, nonpersistent
 
 
-def _has_common_leaf(template: Any) -> bool:
-    if isinstance(template, dict):
-        return any(_has_common_leaf(v) for v in template.values())
-    if isinstance(template, list):
-        return any(_has_common_leaf(v) for v in template)
-    return not _is_not_common(template)
+def _has_common_part(value: Any) -> bool:
+    """Whether ``value``, as an item of a list, left an item in the list's compacted common part.
+
+    Mirrors ``extract_matching_values``: empty containers and plain leaves (None included)
+    are common; a non-empty container is if any of its items is.
+    """
+    if isinstance(value, (dict, list)):
+        return not value or any(_has_common_part(v) for v in (value.values() if isinstance(value, dict) else value))
+    return not _is_not_common(value)
+
+
+_ABSENT = object()
 
 
 def _assemble(template: Any, common: Any, loaded: Any) -> Any:
-    """Put loaded values (positions kept) and the compacted common part back together in
-    the shape of ``template`` (the request), so lists mixing both come out in order."""
+    """The loaded state dict in the shape of ``template`` (the request after factories).
+
+    ``common`` is the checkpoint's common part (lists compacted), ``loaded`` the sharded and
+    nonpersistent values with list positions as ``{index: value}``. Lists that mix both come
+    out in the template's order: each position takes its loaded value, or the next item of the
+    compacted common list if the template's item has a common part (``None`` included).
+    Megatron-Core merges by list length here and fails on such lists; this puts back exactly
+    what was saved. Common keys or list items the template lacks are kept (dicts) or appended
+    (lists), as nothing a checkpoint holds is dropped.
+    """
     if isinstance(template, dict):
         out = dict(common) if isinstance(common, dict) else {}
-        for k, t in template.items():
-            if isinstance(loaded, dict) and k in loaded:
-                out[k] = _assemble(t, out.get(k), loaded[k])
+        if isinstance(loaded, dict):
+            for k, t in template.items():
+                if k in loaded:
+                    out[k] = _assemble(t, out.get(k, _ABSENT), loaded[k])
         return out
     if isinstance(template, list):
-        common_items = iter(common if isinstance(common, list) else [])
+        common_items = list(common) if isinstance(common, list) else []
+        next_common = 0
         out_list = []
         for i, t in enumerate(template):
-            c = next(common_items, None) if _has_common_leaf(t) else None
-            l = loaded.get(i) if isinstance(loaded, dict) else None
-            if l is None and c is None:
-                continue
-            out_list.append(c if l is None else _assemble(t, c, l))
+            c: Any = _ABSENT
+            if _has_common_part(t) and next_common < len(common_items):
+                c = common_items[next_common]
+                next_common += 1
+            l = loaded[i] if isinstance(loaded, dict) and i in loaded else _ABSENT
+            if l is _ABSENT and c is _ABSENT:
+                continue  # neither loaded (e.g. an unexpected key dropped) nor in common.pt
+            out_list.append(c if l is _ABSENT else _assemble(t, c, l))
+        out_list.extend(common_items[next_common:])
         return out_list
     return loaded
 

@@ -111,8 +111,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         result = {}
-        for path in sorted(Path(checkpoint_dir).glob("*/shard_*.pt")):
-            sh_obj = ShardedObject.empty_from_unique_key(f"{path.parent.name}/{path.stem}")
+        root = Path(checkpoint_dir)
+        for path in sorted(root.glob("**/shard_*.pt")):  # keys may hold '/': nested directories
+            sh_obj = ShardedObject.empty_from_unique_key(path.relative_to(root).with_suffix("").as_posix())
             result[sh_obj.unique_key] = sh_obj
         return result
 
