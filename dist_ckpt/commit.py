@@ -1,20 +1,33 @@
-"""Crash-consistent commits: stage, then rename into place.
+"""Crash-consistent commits into a directory the training framework shares with us.
 
 A save never writes into its target directory. The coordinator takes a lock beside the target
 (``.<name>.dist_ckpt-lock``, an ``flock`` that dies with its process), creates a staging
 directory beside it (``.<name>.dist_ckpt-staging-<save id>``) where every rank writes, and
-commits with one atomic rename once everything - data, common state, manifest and finally
-``metadata.json`` - is fsynced. Replacing a committed checkpoint (``overwrite=True``) swaps the
-two directories atomically (``renameat2(RENAME_EXCHANGE)``) and deletes the old one only after
-the swap, so a process killed at any instant leaves the old checkpoint or the new one at the
-target, never a mix. A target with files but no ``metadata.json`` (another tool's crashed
-save) is replaced the same way, with a warning, as Megatron-Core does.
+commits once everything - data, common state, manifest and finally ``metadata.json`` - is
+fsynced:
 
-Where the filesystem cannot swap, the old checkpoint is first renamed to
-``.<name>.dist_ckpt-old-<save id>``; if the process dies before the new one is in place,
-``recover`` (run by ``clean``, by the next save and when loading a missing directory is
-attempted) puts it back. Leftover staging directories are ignored by loads and removed by the
-next save of the same target or by ``dist-ckpt clean``.
+1. onto nothing or an empty directory: one ``rename``;
+2. onto a directory that holds anything (files Megatron-LM or ModelOpt put there before or
+   during the save, a previous checkpoint, what a crashed save left): every entry that is not
+   part of the checkpoint being replaced is hard-linked into the staging directory (the same
+   inode, so a writer holding it open keeps writing to the file that stays), then the two
+   directories are swapped atomically (``renameat2(RENAME_EXCHANGE)``); entries that appeared
+   in the old directory after the linking are moved over, and only then is the old directory,
+   now holding nothing but the replaced checkpoint and links, deleted.
+
+So a process killed at any instant leaves the old checkpoint or the new one at the target,
+never a mix, and files dist_ckpt did not write stay at their paths throughout. What belongs
+to a checkpoint (``checkpoint_entries``): ``metadata.json``, ``common.pt``, the DCP
+``.metadata`` and ``*.distcp`` files, the manifest, the files the manifest lists, and zarr
+array / ShardedObject directories; a name the new checkpoint itself writes replaces a foreign
+entry of that name (as Megatron-Core's in-place save does), with a warning.
+
+Where the filesystem cannot swap, the old directory is renamed to
+``.<name>.dist_ckpt-old-<save id>`` first; if the process dies before the new one is in
+place, ``recover`` (run by ``clean``, by the next save, and named by the error of a load of the
+missing target) puts it back. Leftover directories are ignored by loads and removed by the next
+save of the same target or by ``dist-ckpt clean``, after any foreign file in them that is not at
+the target is moved there.
 """
 
 from __future__ import annotations
@@ -25,10 +38,11 @@ import fcntl
 import logging
 import os
 import shutil
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Set
 
 from .core import CONFIG_FNAME, CheckpointExistsError, fsync_directory
 
@@ -41,6 +55,8 @@ __all__ = [
     "begin_save",
     "staging_dir_for",
     "is_dist_ckpt_leftover",
+    "checkpoint_entries",
+    "committed_checkpoints_inside",
     "clean",
     "recover",
 ]
@@ -140,6 +156,138 @@ def _is_committed(path: Path) -> bool:
     return (path / CONFIG_FNAME).is_file()
 
 
+# -- what belongs to a checkpoint, and what does not ---------------------------------------------
+
+_CHECKPOINT_FILES = {CONFIG_FNAME, "common.pt", ".metadata", "dist_ckpt_manifest.json"}
+_CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|\..+\.tmp-\d+)$")  # DCP data, our atomic-write temps
+_ARRAY_OR_OBJECT_FILE_RE = re.compile(r"^(\.zarray|\.zattrs|\.zgroup|\d+(\.\d+)*|shard_[\d.]*_[\d.-]*\.pt)$")
+
+
+def _is_array_or_object_dir(path: str) -> bool:
+    """A zarr array or a ShardedObject directory: only such files, at any depth, and some."""
+    found = False
+    for _, _, files in os.walk(path):
+        for name in files:
+            if not _ARRAY_OR_OBJECT_FILE_RE.match(name):
+                return False
+            found = True
+    return found
+
+
+def checkpoint_entries(directory: Path) -> Set[str]:
+    """Top-level names in ``directory`` that belong to the checkpoint stored there (committed,
+    or left by a crashed save), as opposed to what other tools put beside it.
+
+    The format's own names, the files the manifest lists, and directories that hold nothing but
+    zarr array or ShardedObject files. Everything else is someone else's and is never deleted.
+    """
+    names: Set[str] = set()
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return names
+    for entry in entries:
+        if entry.name in _CHECKPOINT_FILES or _CHECKPOINT_FILE_RE.match(entry.name):
+            names.add(entry.name)
+        elif entry.is_dir(follow_symlinks=False) and _is_array_or_object_dir(entry.path):
+            names.add(entry.name)
+    from .integrity import MANIFEST_FNAME, parse_manifest
+
+    try:
+        manifest = parse_manifest((Path(directory) / MANIFEST_FNAME).read_bytes(), str(directory))
+        names.update(f.split("/", 1)[0] for f in manifest.files)
+    except (OSError, ValueError):  # no manifest, or a damaged one (CorruptCheckpointError)
+        pass
+    return names
+
+
+def committed_checkpoints_inside(directory: Path) -> List[Path]:
+    """Subdirectories of ``directory`` that hold committed checkpoints (a typo'd save target)."""
+    try:
+        return sorted(p for p in Path(directory).iterdir() if p.is_dir() and _is_committed(p))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+_LINK_UNSUPPORTED = (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
+
+
+def _link_or_copy(src: str, dst: Path) -> None:
+    try:
+        os.link(src, dst, follow_symlinks=False)
+    except OSError as e:
+        if e.errno not in _LINK_UNSUPPORTED:
+            raise
+        logger.warning("cannot hard-link %s (%s); copying it into the new checkpoint directory", src, e.strerror)
+        shutil.copy2(src, dst, follow_symlinks=False)
+
+
+def _link_foreign_entries(src: Path, dst: Path, skip: Set[str]) -> List[Path]:
+    """Hard-link every entry of ``src`` but ``skip`` into ``dst`` (directories recreated);
+    an entry whose name ``dst`` already has is replaced by it (logged). Returns the new dirs."""
+    created: List[Path] = []
+    for entry in os.scandir(src):
+        if entry.name in skip:
+            continue
+        target = dst / entry.name
+        if os.path.lexists(target):
+            logger.warning("%s is replaced by the new checkpoint's entry of that name", entry.path)
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            target.mkdir()
+            shutil.copystat(entry.path, target)
+            created.append(target)
+            created += _link_foreign_entries(Path(entry.path), target, set())
+        else:
+            _link_or_copy(entry.path, target)
+    return created
+
+
+def _move_back_foreign_entries(old: Path, target: Path, keep_out: Set[str], old_wins: bool) -> None:
+    """Entries of ``old`` (a replaced directory, or a leftover) that are not at ``target`` are
+    moved there: files another tool wrote after they were linked. With ``old_wins`` (``old``
+    is the directory that was at the target until the swap), a file of ``old`` that is not the
+    inode at the target was replaced after linking and is the newer one: it replaces the link.
+    Top-level names in ``keep_out`` (checkpoint entries) are never moved."""
+    for entry in os.scandir(old):
+        if entry.name in keep_out:
+            continue
+        dest = target / entry.name
+        try:
+            dest_stat = os.lstat(dest)
+        except FileNotFoundError:
+            os.rename(entry.path, dest)
+            logger.warning("moved %s back to %s (written there while the checkpoint was committed)",
+                           entry.name, target)
+            continue
+        src_stat = entry.stat(follow_symlinks=False)
+        if entry.is_dir(follow_symlinks=False) and dest.is_dir() and not dest.is_symlink():
+            _move_back_foreign_entries(Path(entry.path), dest, set(), old_wins)
+        elif old_wins and (src_stat.st_ino, src_stat.st_dev) != (dest_stat.st_ino, dest_stat.st_dev):
+            os.replace(entry.path, dest)
+
+
+def _dispose_leftover(leftover: Path, target: Path) -> None:
+    """Delete what an interrupted save left, after moving any file of another tool in it to the
+    target (nothing that is not ours is ever deleted)."""
+    ours = checkpoint_entries(leftover)
+    foreign = [e for e in os.listdir(leftover) if e not in ours] if leftover.is_dir() else []
+    if foreign:
+        target.mkdir(exist_ok=True)
+        _move_back_foreign_entries(leftover, target, ours | checkpoint_entries(target),
+                                   old_wins=OLD_MARK in leftover.name)
+    shutil.rmtree(leftover, ignore_errors=True)
+
+
+def missing_target_hint(target: Path) -> str:
+    """For the error of a load whose directory is missing: what an interrupted overwrite left."""
+    olds = [p for p in _leftovers_of(Path(os.path.abspath(target)), OLD_MARK) if _is_committed(p)]
+    if not olds:
+        return ""
+    return (f"; an interrupted overwrite left the previous checkpoint in {olds[-1]}: "
+            f"`dist-ckpt clean {target}` puts it back")
+
+
 def recover(target: Path) -> bool:
     """Put back a committed checkpoint that an interrupted overwrite moved aside; True if so."""
     if target.exists():
@@ -156,7 +304,8 @@ def recover(target: Path) -> bool:
 def clean(path: Path) -> List[Path]:
     """Remove what interrupted saves left beside ``path`` (a checkpoint, existing or not) and,
     if ``path`` is a directory, beside every checkpoint in it. Leftovers whose save is still
-    running (its lock is held) are kept. Returns what was removed."""
+    running (its lock is held) are kept; files of other tools in them go to the target first.
+    Returns what was removed."""
     path = Path(os.path.abspath(path))
     targets = [path]
     if path.is_dir() and not _is_committed(path):
@@ -173,7 +322,7 @@ def clean(path: Path) -> List[Path]:
         try:
             recover(target)
             for leftover in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK):
-                shutil.rmtree(leftover, ignore_errors=True)
+                _dispose_leftover(leftover, target)
                 removed.append(leftover)
         finally:
             lock.release()
@@ -186,30 +335,48 @@ class StagedSave:
 
     target: Path
     staging: Path
-    overwrite: bool  # replace what is at the target (a committed checkpoint, or incomplete files)
+    overwrite: Optional[bool]  # None: replace a committed checkpoint with a warning; False: refuse
     lock: Optional[SaveLock] = None
 
+    @property
+    def save_id(self) -> str:
+        return self.staging.name.rsplit("-", 1)[-1]
+
     def commit(self) -> None:
-        """Coordinator, after metadata.json is durable in the staging directory."""
+        """Coordinator, after metadata.json is durable in the staging directory (module doc)."""
         fsync_directory(self.staging)
-        parent = self.target.parent
-        if self.target.exists() and any(self.target.iterdir()):
-            if not self.overwrite:
-                raise CheckpointExistsError(f"{self.target} appeared while saving; the new checkpoint stays in {self.staging}")
-            if _exchange(self.staging, self.target):
-                fsync_directory(parent)
-                shutil.rmtree(self.staging, ignore_errors=True)  # now holds the old checkpoint
-            else:
-                old = _old_dir_for(self.target, self.staging.name.rsplit("-", 1)[-1])
-                os.rename(self.target, old)
-                fsync_directory(parent)
-                os.rename(self.staging, self.target)
-                fsync_directory(parent)
-                shutil.rmtree(old, ignore_errors=True)
-        else:
+        try:
             os.rename(self.staging, self.target)  # onto nothing or an empty directory: atomic
-            fsync_directory(parent)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            self._replace_non_empty_target()
+        else:
+            fsync_directory(self.target.parent)
         self.release()
+
+    def _replace_non_empty_target(self) -> None:
+        if self.overwrite is False and _is_committed(self.target):
+            raise CheckpointExistsError(
+                f"another save committed a checkpoint at {self.target} while this one ran; this save was "
+                f"not committed and its files are removed (pass overwrite=True to replace)"
+            )
+        parent = self.target.parent
+        replaced = checkpoint_entries(self.target)
+        new_entries = set(os.listdir(self.staging))
+        for directory in [self.staging] + _link_foreign_entries(self.target, self.staging, replaced):
+            fsync_directory(directory)
+        old = _old_dir_for(self.target, self.save_id)
+        if _exchange(self.staging, self.target):
+            fsync_directory(parent)
+            os.rename(self.staging, old)  # the staging name now holds the old directory: say so
+        else:  # no atomic swap here: move the old one aside first (recover() undoes it)
+            os.rename(self.target, old)
+            fsync_directory(parent)
+            os.rename(self.staging, self.target)
+        fsync_directory(parent)
+        _move_back_foreign_entries(old, self.target, replaced | new_entries, old_wins=True)
+        shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         """Coordinator, after a failure every rank knows of: drop the staging directory."""
@@ -222,35 +389,47 @@ class StagedSave:
             self.lock = None
 
 
-def begin_save(target: Path, overwrite: bool) -> StagedSave:
+def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
     """Coordinator: lock, clean what earlier interrupted saves left, check the target,
-    create the staging directory."""
+    create the staging directory.
+
+    ``overwrite``: None (Megatron-Core's behaviour) replaces a committed checkpoint at the
+    target with a warning, True replaces it silently, False refuses. A target that holds other
+    committed checkpoints (a parent directory given by mistake) is always refused.
+    """
     target = Path(os.path.abspath(target))
     if target.exists() and not target.is_dir():
         raise CheckpointExistsError(f"{target} exists and is not a directory")
+    inside = committed_checkpoints_inside(target)
+    if inside:
+        names = ", ".join(p.name for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
+        raise CheckpointExistsError(
+            f"{target} holds other checkpoints ({names}); a checkpoint directory cannot contain checkpoints - "
+            f"save to a new directory such as {target / 'iter_0000001'}"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = SaveLock(target)
     try:
         recover(target)
         for leftover in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK):
             logger.warning("removing %s, left by an interrupted save", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
-        replace = overwrite
-        if target.is_dir() and any(target.iterdir()) and not overwrite:
-            if _is_committed(target):
+            _dispose_leftover(leftover, target)
+        if _is_committed(target):
+            if overwrite is False:
                 raise CheckpointExistsError(
                     f"{target} already holds a committed checkpoint ({CONFIG_FNAME} exists); save to a new "
-                    f"directory, or pass overwrite=True to replace it once the new one is complete"
+                    f"directory, or pass overwrite=True (or leave it None) to replace it once the new one is complete"
                 )
-            # As Megatron-Core does: an incomplete checkpoint there (a crashed save of another
-            # tool) is replaced - but only once the new one is complete.
-            logger.warning("%s holds files but no committed checkpoint; it will be replaced when this save "
-                           "commits", target)
-            replace = True
+            if overwrite is None:
+                logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits "
+                               "(other files in the directory are kept)", target)
+        elif target.is_dir() and any(checkpoint_entries(target)):
+            logger.warning("%s holds files of an incomplete checkpoint; they will be replaced when this save "
+                           "commits (other files in the directory are kept)", target)
         staging = staging_dir_for(target, uuid.uuid4().hex[:12])
         staging.mkdir()
         fsync_directory(target.parent)
     except BaseException:
         lock.release()
         raise
-    return StagedSave(target, staging, replace, lock)
+    return StagedSave(target, staging, overwrite, lock)

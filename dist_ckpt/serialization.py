@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
-from .commit import StagedSave, begin_save, is_dist_ckpt_leftover
+from .commit import StagedSave, begin_save, is_dist_ckpt_leftover, missing_target_hint
 from .core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -216,15 +216,16 @@ def save(
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
     *,
-    overwrite: bool = False,
+    overwrite: Optional[bool] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict from every rank into one checkpoint directory (collective).
 
     Args:
         sharded_state_dict: the state with ShardedTensors/ShardedObjects (and factories,
             nonpersistent objects, plain values that go to the common part).
-        checkpoint_dir: target directory; created if missing; must not hold a committed
-            checkpoint unless ``overwrite``.
+        checkpoint_dir: target directory. It may exist, empty or not (Megatron-LM creates it and
+            writes other files into it, even while an async save is pending): files dist_ckpt did
+            not write are never deleted or moved. Created if missing.
         sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
             default ('torch_dist', 1) and ('torch', 1).
         validate_access_integrity: check, before writing, that the main replicas of all ranks
@@ -238,8 +239,11 @@ def save(
         content_metadata: a dict identifying the content (framework versioning), stored in
             the common state under 'content_metadata'; read it back with
             ``load_content_metadata``.
-        overwrite: replace a committed checkpoint at ``checkpoint_dir``; the old one stays
-            in place until the new one is complete, then the two are swapped atomically.
+        overwrite: what to do with a committed checkpoint already at ``checkpoint_dir``. None
+            (the default, Megatron-Core's behaviour): replace it, with a logged warning; True:
+            replace it; False: refuse (``CheckpointExistsError``). The old one stays in place
+            until the new one is complete, then the two are swapped atomically: a crash at any
+            instant leaves the old or the new checkpoint there, never a mix.
     """
     dist = DistWrapper()
     target = Path(os.path.abspath(checkpoint_dir))
@@ -330,7 +334,9 @@ def verify_checkpoint_and_load_strategy(
             f"remove it with `dist-ckpt clean`"
         )
     if not checkpoint_dir.is_dir():
-        raise CheckpointNotFoundError(f"Checkpoint directory {checkpoint_dir} does not exist")
+        raise CheckpointNotFoundError(
+            f"Checkpoint directory {checkpoint_dir} does not exist{missing_target_hint(checkpoint_dir)}"
+        )
     config = maybe_load_config(checkpoint_dir)
     if config is None:
         raise CheckpointNotFoundError(

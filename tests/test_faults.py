@@ -14,7 +14,7 @@ import torch
 
 import dist_ckpt
 from dist_ckpt import ShardedTensor
-from dist_ckpt.commit import STAGING_MARK, SaveLock, clean
+from dist_ckpt.commit import OLD_MARK, STAGING_MARK, SaveLock, clean
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.launch import run_processes
 
@@ -70,11 +70,26 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
             original_rmtree = commit_mod.shutil.rmtree
 
             def rmtree(path, *a, **k):
-                if STAGING_MARK in str(path):
+                if OLD_MARK in str(path):
                     _die()  # the new checkpoint is in place, the old one not yet deleted
                 return original_rmtree(path, *a, **k)
 
             commit_mod.shutil.rmtree = rmtree
+        elif fault == "kill_between_fallback_renames":
+            commit_mod._exchange = lambda a, b: False  # a filesystem without RENAME_EXCHANGE
+            original_rename = commit_mod.os.rename
+
+            def rename(src, dst):
+                if STAGING_MARK in str(src) and not os.path.exists(dst):
+                    _die()  # the old checkpoint is moved aside, the new one not yet in place
+                return original_rename(src, dst)
+
+            commit_mod.os.rename = rename
+        elif fault == "kill_after_linking_foreign_files":
+            def exchange(a, b):
+                _die()
+
+            commit_mod._exchange = exchange
         elif fault == "exception_before_commit":
             def commit_staged(*a, **k):
                 raise RuntimeError("injected failure between the data writes and the commit")
@@ -116,6 +131,8 @@ FAULTS = [
     ("kill_mid_write", 0, 1),
     ("kill_before_rename", 0, 1),
     ("kill_after_swap", 0, 2),
+    ("kill_between_fallback_renames", 0, 1),
+    ("kill_after_linking_foreign_files", 0, 1),
     ("exception_before_commit", 0, 1),
     ("enospc", 1, 1),
     ("stuck", 1, 1),
@@ -124,8 +141,11 @@ FAULTS = [
 
 @pytest.mark.parametrize("fault,fault_rank,version_after", FAULTS, ids=[f"{f}-rank{r}" for f, r, _ in FAULTS])
 def test_interrupted_overwrite_leaves_old_or_new_checkpoint(tmp_path, fault, fault_rank, version_after):
+    """The target also holds files of other tools (ModelOpt state, a config, a subdirectory):
+    whatever is interrupted, they stay at their paths with their bytes."""
     ckpt = str(tmp_path / "ckpt")
     assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
+    foreign = _add_foreign_files(tmp_path / "ckpt")
     outcomes = run_processes(_save_with_fault, 2, ckpt, fault, fault_rank,
                              collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
     assert all(o.exitcode is not None for o in outcomes), f"a rank hung: {outcomes}"
@@ -141,13 +161,38 @@ def test_interrupted_overwrite_leaves_old_or_new_checkpoint(tmp_path, fault, fau
         # a failure raised on one rank is raised, identically, on every rank (a stuck peer is
         # a transport failure: each rank reports what its own collective saw)
         assert len({o.result for o in outcomes}) == 1, outcomes
+    if fault == "kill_between_fallback_renames":
+        # the target is missing: a load says which command puts the old checkpoint back
+        with pytest.raises(dist_ckpt.CheckpointNotFoundError, match=f"`dist-ckpt clean {ckpt}` puts it back"):
+            dist_ckpt.load_plain_tensors(ckpt)
+        from dist_ckpt.cli import main
+
+        assert main(["clean", ckpt]) == 0
     _assert_holds(ckpt, 2, version_after)
+    _assert_foreign_files_intact(tmp_path / "ckpt", foreign)
     # what the interrupted save left is ignored by loads and removed by the next save
     leftovers = [p for p in tmp_path.iterdir() if p.name != "ckpt" and not p.name.endswith(".dist_ckpt-lock")]
-    assert all(STAGING_MARK in p.name for p in leftovers), leftovers
+    assert all(STAGING_MARK in p.name or OLD_MARK in p.name for p in leftovers), leftovers
     assert [o.result for o in run_processes(_save_v1_again, 2, ckpt)] == ["ok", "ok"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     _assert_holds(ckpt, 2, 3)
+    _assert_foreign_files_intact(tmp_path / "ckpt", foreign)
+
+
+def _add_foreign_files(directory):
+    """Files another tool keeps in the checkpoint directory; returns {path: (bytes, inode)}."""
+    (directory / "modelopt_state").mkdir()
+    (directory / "modelopt_state" / "state.pt").write_bytes(b"modelopt" * 100)
+    (directory / "run_config.yaml").write_text("lr: 0.1\n")
+    (directory / "notes.distcp.txt").write_text("not a data file")
+    return {p: (p.read_bytes(), p.stat().st_ino) for p in directory.rglob("*")
+            if p.is_file() and p.name in ("state.pt", "run_config.yaml", "notes.distcp.txt")}
+
+
+def _assert_foreign_files_intact(directory, foreign):
+    for path, (content, inode) in foreign.items():
+        assert path.read_bytes() == content, path
+        assert path.stat().st_ino == inode, f"{path} was replaced by a copy"
 
 
 def _save_v1_again(rank, world, ckpt):
@@ -204,7 +249,7 @@ def _racing_save(rank, world, ckpt):
     dist.barrier()  # start together; the saves themselves are independent one-process jobs
     dist.destroy_process_group()
     try:
-        dist_ckpt.save(_state(0, 1, 10 + rank), ckpt)
+        dist_ckpt.save(_state(0, 1, 10 + rank), ckpt, overwrite=False)  # the later one must not replace
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
     return ("ok", "")

@@ -180,10 +180,10 @@ def test_remove_sharded_tensors(two_key_ckpt):
 # -- commit protocol -------------------------------------------------------------------------------
 
 
-def test_save_refuses_to_overwrite_a_committed_checkpoint(two_key_ckpt):
+def test_save_with_overwrite_false_refuses_a_committed_checkpoint(two_key_ckpt):
     before = {p: p.read_bytes() for p in two_key_ckpt.iterdir()}
     with pytest.raises(dist_ckpt.CheckpointExistsError, match="already holds a committed checkpoint"):
-        dist_ckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, two_key_ckpt)
+        dist_ckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2))}, two_key_ckpt, overwrite=False)
     assert {p: p.read_bytes() for p in two_key_ckpt.iterdir()} == before
     assert torch.equal(dist_ckpt.load_plain_tensors(two_key_ckpt)["a"], torch.ones(2))
 
@@ -389,6 +389,6 @@ def test_incomplete_files_at_the_target_are_replaced_only_on_commit(tmp_path, ca
     assert (target / "__0_0.distcp").read_bytes() == b"from a crashed save"  # untouched by a failed save
     with caplog.at_level("WARNING"):
         dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}, target)
-    assert "holds files but no committed checkpoint" in caplog.text
+    assert "holds files of an incomplete checkpoint" in caplog.text
     assert torch.equal(dist_ckpt.load_plain_tensors(target)["w"], torch.ones(2))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100"]

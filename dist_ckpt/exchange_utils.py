@@ -1,0 +1,242 @@
+"""Who saves or loads which replicated shard, and how loaded shards reach the other ranks
+(Megatron-Core's ``exchange_utils``, used by the fully parallel strategy wrappers).
+
+With data parallelism, every DP rank holds the same shards. Instead of one rank writing (or
+reading) them all, ``distribute_shards_to_ranks`` - a pure, deterministic function - spreads
+them over the ranks that hold them, by size; after a fully parallel load, each shard is sent
+from the rank that read it to the others (``exchange_by_distribution``).
+
+Shard identity: ``(key, global_offset, flattened range or None)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Hashable, List, NamedTuple, Optional, Set, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .core import CheckpointingException
+from .dict_utils import nested_values
+from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ShardDistribution",
+    "shard_id",
+    "distribute_shards_to_ranks",
+    "determine_main_replica_uniform_distribution",
+    "exchange_loaded_tensors_gather_object",
+    "exchange_loaded_tensors_gather_rounds",
+    "exchange_loaded_tensors_broadcast",
+    "exchange_loaded_objects_gather_object",
+    "exchange_by_distribution",
+    "is_float8tensor",
+]
+
+ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
+T = TypeVar("T", bound=Hashable)
+
+
+def shard_id(sharded: "ShardedTensor | ShardedObject") -> ShardId:
+    """The identity of the data a ShardedTensor (or ShardedObject) describes."""
+    if isinstance(sharded, ShardedObject):
+        return (sharded.unique_key, tuple(sharded.global_offset), None)
+    flat = sharded.flattened_range
+    return (sharded.key, tuple(sharded.global_offset), None if flat is None else (flat.start, flat.stop))
+
+
+class ShardDistribution(NamedTuple):
+    """Which rank of the parallelization group handles each shard.
+
+    main_rank_for_shard: shard -> the rank (in the group) that saves or loads it;
+    shards_in_this_group: shards some rank of the group holds;
+    shard_to_metadata: shard -> a ShardedTensor without data describing it;
+    all_ranks_for_shard: shard -> every rank (in the group) that holds it.
+    """
+
+    main_rank_for_shard: Dict[ShardId, int]
+    shards_in_this_group: Set[ShardId]
+    shard_to_metadata: Dict[ShardId, ShardedTensor]
+    all_ranks_for_shard: Dict[ShardId, List[int]]
+
+
+def distribute_shards_to_ranks(
+    shard_to_ranks: Dict[T, List[int]], shard_to_size: Dict[T, int], num_ranks: int,
+    cross_parallelization_group_loads: Optional[Set[T]] = None,
+) -> Dict[T, int]:
+    """Assign each shard to one of the ranks that hold it, balancing the bytes per rank.
+
+    Greedy and deterministic (every rank computes the same answer from the same input): shards
+    held by fewest ranks first, then the largest, then by id; each goes to its least loaded rank
+    (ties: lowest rank). ``cross_parallelization_group_loads`` are shards whose bytes count
+    for no rank of this group (another group loads them); they are assigned all the same.
+    """
+    cross = cross_parallelization_group_loads or set()
+    load = [0] * num_ranks
+    assignment: Dict[T, int] = {}
+    order = sorted(shard_to_ranks, key=lambda s: (len(shard_to_ranks[s]), -shard_to_size[s], repr(s)))
+    for shard in order:
+        ranks = shard_to_ranks[shard]
+        if not ranks:
+            raise CheckpointingException(f"shard {shard!r} is held by no rank")
+        rank = min(ranks, key=lambda r: (load[r], r))
+        assignment[shard] = rank
+        if shard not in cross:
+            load[rank] += shard_to_size[shard]
+    return assignment
+
+
+def _group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def determine_main_replica_uniform_distribution(
+    sharded_state_dict: ShardedStateDict, parallelization_group: Optional[dist.ProcessGroup] = None,
+    ignore_groups: bool = False,
+) -> Optional[ShardDistribution]:
+    """Exchange (within ``parallelization_group``) which ShardedTensors each rank holds and
+    assign each shard to one of its holders: one ``all_gather_object`` on the group.
+
+    For a save (``ignore_groups=False``) only shards whose main replica is in this group are
+    distributed, so that a shard replicated across several groups is still written once. For
+    a load (``ignore_groups=True``) every shard the group holds is. None without a group of
+    more than one rank (nothing to distribute).
+    """
+    _, world = _group_ranks(parallelization_group)
+    if world <= 1:
+        return None
+    local = [(shard_id(sh), sh.without_data(), _nbytes(sh), is_main_replica(sh.replica_id))
+             for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
+    gathered: List[Optional[list]] = [None] * world
+    dist.all_gather_object(gathered, local, group=parallelization_group)
+    shard_to_ranks: Dict[ShardId, List[int]] = {}
+    shard_to_size: Dict[ShardId, int] = {}
+    metadata: Dict[ShardId, ShardedTensor] = {}
+    with_main_here: Set[ShardId] = set()
+    for r, shards in enumerate(gathered):
+        for sid, md, size, is_main in shards or []:
+            shard_to_ranks.setdefault(sid, []).append(r)
+            shard_to_size.setdefault(sid, size)
+            metadata.setdefault(sid, md)
+            if is_main:
+                with_main_here.add(sid)
+    if not ignore_groups:
+        shard_to_ranks = {sid: ranks for sid, ranks in shard_to_ranks.items() if sid in with_main_here}
+    main = distribute_shards_to_ranks(shard_to_ranks, shard_to_size, world)
+    return ShardDistribution(main, set(shard_to_ranks), metadata, shard_to_ranks)
+
+
+def _nbytes(sh: ShardedTensor) -> int:
+    numel = 1
+    for n in sh.local_shape:
+        numel *= n
+    if sh.flattened_range is not None:
+        numel = sh.flattened_range.stop - sh.flattened_range.start
+    return numel * torch.empty((), dtype=sh.dtype).element_size()
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def exchange_loaded_tensors_broadcast(
+    loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
+) -> Dict[ShardId, torch.Tensor]:
+    """Every shard is broadcast by the rank that loaded it to the group; each rank keeps the
+    shards it needs (``unloaded_shards``) next to those it loaded. Collective on the group."""
+    rank, _ = _group_ranks(parallelization_group)
+    result = dict(loaded_tensors)
+    for sid in sorted(shard_distribution.main_rank_for_shard, key=repr):
+        owner = shard_distribution.main_rank_for_shard[sid]
+        md = shard_distribution.shard_to_metadata[sid]
+        if rank == owner:
+            tensor = loaded_tensors[sid].contiguous()
+        elif sid in unloaded_shards:
+            tensor = torch.empty(_flat_or_local_shape(md), dtype=md.dtype)
+        else:
+            tensor = torch.empty(_flat_or_local_shape(md), dtype=md.dtype)  # received and dropped
+        dist.broadcast(tensor, src=_global_rank(parallelization_group, owner), group=parallelization_group)
+        if rank != owner and sid in unloaded_shards:
+            result[sid] = tensor
+    return result
+
+
+def _flat_or_local_shape(md: ShardedTensor) -> Tuple[int, ...]:
+    if md.flattened_range is not None:
+        return (md.flattened_range.stop - md.flattened_range.start,)
+    return tuple(md.local_shape)
+
+
+def exchange_loaded_tensors_gather_object(
+    loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
+) -> Dict[ShardId, torch.Tensor]:
+    """Like the broadcast variant, with one ``all_gather_object`` of every loaded shard (simple;
+    holds all of the group's shards in memory at once)."""
+    _, world = _group_ranks(parallelization_group)
+    gathered: List[Optional[Dict[ShardId, torch.Tensor]]] = [None] * world
+    dist.all_gather_object(gathered, {k: v.cpu() for k, v in loaded_tensors.items()}, group=parallelization_group)
+    result = dict(loaded_tensors)
+    for tensors in gathered:
+        for sid, tensor in (tensors or {}).items():
+            if sid in unloaded_shards:
+                result[sid] = tensor
+    return result
+
+
+def exchange_loaded_tensors_gather_rounds(
+    loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
+) -> Dict[ShardId, torch.Tensor]:
+    """Megatron-Core's round-based all-gather. Here it sends the same shards as the broadcast
+    variant, which is what it runs (a collective per shard, bounded memory)."""
+    return exchange_loaded_tensors_broadcast(loaded_tensors, unloaded_shards, shard_distribution, parallelization_group)
+
+
+def exchange_loaded_objects_gather_object(loaded_objects: Dict[ShardId, object],
+                                          parallelization_group: Optional[dist.ProcessGroup] = None
+                                          ) -> Dict[ShardId, object]:
+    """Every rank gets every rank's loaded objects (one ``all_gather_object``)."""
+    _, world = _group_ranks(parallelization_group)
+    if world <= 1:
+        return dict(loaded_objects)
+    gathered: List[Optional[Dict[ShardId, object]]] = [None] * world
+    dist.all_gather_object(gathered, loaded_objects, group=parallelization_group)
+    result: Dict[ShardId, object] = {}
+    for objects in gathered:
+        result.update(objects or {})
+    return result
+
+
+_EXCHANGES = {
+    "broadcast": exchange_loaded_tensors_broadcast,
+    "gather_object": exchange_loaded_tensors_gather_object,
+    "gather_rounds": exchange_loaded_tensors_gather_rounds,
+}
+
+
+def exchange_by_distribution(
+    loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
+    shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
+    exchange_algo: str = "broadcast",
+) -> Dict[ShardId, torch.Tensor]:
+    """Send loaded shards to the ranks that need them, by ``exchange_algo`` ('broadcast',
+    'gather_object' or 'gather_rounds')."""
+    try:
+        exchange = _EXCHANGES[exchange_algo]
+    except KeyError:
+        raise CheckpointingException(
+            f"unknown exchange_algo {exchange_algo!r}; use one of {sorted(_EXCHANGES)}"
+        ) from None
+    return exchange(loaded_tensors, unloaded_shards, shard_distribution, parallelization_group)
+
+
+def is_float8tensor(tensor: object) -> bool:
+    """True for Transformer Engine's FP8 tensors (never without Transformer Engine)."""
+    return type(tensor).__name__ == "Float8Tensor"

@@ -1,0 +1,44 @@
+"""A DCP ``FileSystemReader`` that reads and unpickles ``.metadata`` once per directory
+(Megatron-Core's ``CachedMetadataFileSystemReader``).
+
+For code that drives ``torch.distributed.checkpoint.load`` directly on a checkpoint and calls
+it several times (e.g. once per model chunk). Unpickling goes through dist_ckpt's allowlist,
+never plain ``pickle``; the cache key is the path with the file's mtime and size, so a
+rewritten ``.metadata`` is read again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, Tuple, Union
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["CachedMetadataFileSystemReader"]
+
+_cache: Dict[Tuple[str, int, int], Metadata] = {}
+_lock = threading.Lock()
+
+
+class CachedMetadataFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` is cached per (path, mtime, size)."""
+
+    def __init__(self, path: Union[str, os.PathLike], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._metadata_path = Path(path) / ".metadata"
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        from .dcp_io import DcpReader
+
+        st = self._metadata_path.stat()
+        key = (str(self._metadata_path.resolve()), st.st_mtime_ns, st.st_size)
+        with _lock:
+            cached = _cache.get(key)
+        if cached is None:
+            cached = DcpReader(self._metadata_path.parent).read_metadata()  # size-checked, allowlisted
+            with _lock:
+                _cache[key] = cached
+        return cached

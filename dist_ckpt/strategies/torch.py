@@ -1,0 +1,157 @@
+"""The 'torch_dist' strategies under Megatron-Core's module name (``strategies.torch``).
+
+The strategies live in ``torch_dist`` (with their pure planning in ``torch_dist_plan`` and
+the DCP file I/O in ``dcp_io``); this module gives Megatron-Core's names for them and for the
+pieces of its PyTorch-DCP integration that user code imports: the DCP planners (usable with
+``torch.distributed.checkpoint.save/load`` directly), ``flatten_state_dict`` and the
+registration function.
+
+``import torch`` inside this package still means PyTorch (absolute imports).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
+
+from ..core import MismatchError
+from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor
+from .base import StrategyAction, register_default_strategy
+from .torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+__all__ = [
+    "TorchDistSaveShardedStrategy",
+    "TorchDistLoadShardedStrategy",
+    "register_default_torch_strategies",
+    "flatten_state_dict",
+    "MCoreSavePlanner",
+    "MCoreLoadPlanner",
+    "MCoreMetadata",
+    "MCoreSavePlan",
+]
+
+OBJ_PATH = Tuple[Any, ...]
+
+
+class MCoreMetadata(Metadata):
+    """DCP ``Metadata`` with Megatron-Core's ``mcore_data`` (per-key extras such as the original
+    shape of a flattened tensor). Megatron-Core pickles plain ``Metadata`` with that attribute
+    set; this name exists so that code referring to it imports."""
+
+    mcore_data: Dict[str, Dict[str, Any]]
+
+
+class MCoreSavePlan(SavePlan):
+    """A DCP ``SavePlan`` carrying Megatron-Core's per-key ``mcore_data``."""
+
+    mcore_data: Dict[str, Dict[str, Any]]
+
+
+def register_default_torch_strategies() -> None:
+    """(Re-)register the 'torch_dist' v1 save and load strategies in the default registry."""
+    register_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1, TorchDistLoadShardedStrategy())
+    register_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dist", 1, TorchDistSaveShardedStrategy("torch_dist", 1))
+
+
+def flatten_state_dict(state_dict: ShardedStateDict) -> Tuple[Dict[str, Any], Dict[str, OBJ_PATH]]:
+    """One level: ``{"a.b.0": leaf}`` and the path of each key (``("a", "b", 0)``), as DCP's
+    ``flatten_state_dict`` does, with sharded objects and tensors as leaves."""
+    flat: Dict[str, Any] = {}
+    paths: Dict[str, OBJ_PATH] = {}
+
+    def walk(value: Any, path: OBJ_PATH) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(v, path + (k,))
+        elif isinstance(value, list) and value and not isinstance(value, ShardedBase):
+            for i, v in enumerate(value):
+                walk(v, path + (i,))
+        else:
+            key = ".".join(str(p) for p in path)
+            if key in flat:
+                raise MismatchError(f"flatten_state_dict: two values flatten to the key {key!r}")
+            flat[key] = value
+            paths[key] = path
+
+    for k, v in state_dict.items():
+        walk(v, (k,))
+    return flat, paths
+
+
+class MCoreSavePlanner(DefaultSavePlanner):
+    """DCP save planner for ShardedObject blobs: every rank saves its own ``io.BytesIO`` items
+    (the default planner keeps non-tensor items of the coordinator only) and writes them as
+    they are, without pickling them again.
+
+    Args:
+        nd_flattened_global_shapes: key -> original global shape of a flattened N-D tensor,
+            recorded in the metadata's ``mcore_data`` as Megatron-Core does.
+    """
+
+    def __init__(self, *args: Any, nd_flattened_global_shapes: Optional[Dict[str, Tuple[int, ...]]] = None,
+                 **kwargs: Any) -> None:
+        kwargs.pop("can_run_decentralized_global_plan", None)
+        super().__init__(*args, **kwargs)
+        self.nd_flattened_global_shapes = nd_flattened_global_shapes or {}
+
+    def create_local_plan(self) -> SavePlan:
+        plan = create_default_local_save_plan(self.state_dict, True)  # objects on every rank
+        self.plan = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list) -> Tuple[list, Metadata]:
+        global_plans, metadata = super().create_global_plan(all_plans)
+        metadata.mcore_data = {
+            key: {"nd_reformulated_orig_global_shape": tuple(shape)}
+            for key, shape in self.nd_flattened_global_shapes.items()
+        }
+        return global_plans, metadata
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if isinstance(object, io.BytesIO):
+            return object
+        return super().transform_object(write_item, object)
+
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner that checks, before reading, that each requested ShardedTensor's global
+    shape is the one stored (the default planner would read a mismatched tensor silently wrong).
+
+    Args:
+        shapes_validation_sharded_tensors: ShardedTensors whose global shapes to check.
+        allow_shape_mismatch_sharded_tensors: key -> ShardedTensor whose shape may differ.
+    """
+
+    def __init__(self, *args: Any, shapes_validation_sharded_tensors: Iterable[ShardedTensor] = (),
+                 allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = list(shapes_validation_sharded_tensors)
+        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors or {}
+
+    def _validate_global_shapes(self, metadata: Metadata) -> None:
+        for sh in self.shapes_validation_sharded_tensors:
+            if sh.key in self.allow_shape_mismatch_sharded_tensors:
+                continue
+            stored = metadata.state_dict_metadata.get(sh.key)
+            if not isinstance(stored, TensorStorageMetadata):
+                raise MismatchError(f"'{sh.key}' is not a tensor of the checkpoint")
+            orig = getattr(metadata, "mcore_data", {}).get(sh.key, {}).get("nd_reformulated_orig_global_shape")
+            stored_shape = tuple(orig) if orig is not None else tuple(stored.size)
+            if stored_shape != tuple(sh.global_shape):
+                raise MismatchError(
+                    f"'{sh.key}': the checkpoint holds global shape {stored_shape}, the request asks for "
+                    f"{tuple(sh.global_shape)}"
+                )
+
+    def create_local_plan(self) -> LoadPlan:
+        self._validate_global_shapes(self.metadata)
+        return super().create_local_plan()
