@@ -163,11 +163,30 @@ class DistWrapper:
                 exc = CheckpointingException(f"torch.distributed.checkpoint failed: {_describe(exc)}")
             return None, RankFailure.capture(self.rank, exc), exc
 
+    def _sendable(self, payload: Any, failure: Optional[RankFailure], exc: Optional[BaseException]
+                  ) -> "tuple[Any, Optional[RankFailure], Optional[BaseException]]":
+        """What this rank contributes to a collective: ``payload`` if it pickles, else the
+        pickling error as this rank's failure. (An object collective pickles its input on one
+        rank only: failing there would leave the other ranks waiting.)"""
+        if failure is not None or not self.use_dist:
+            return payload, failure, exc
+        try:
+            pickle.dumps(payload)
+        except Exception as e:  # noqa: BLE001 - any pickling error must reach the other ranks
+            err = CheckpointingException(f"rank {self.rank} cannot send its part of a collective step: "
+                                         f"{type(e).__name__}: {e}")
+            return None, RankFailure.capture(self.rank, err), err
+        return payload, None, None
+
     def exchange(self, fn: Callable[[], T], share: Callable[[T], Any] = lambda _: None) -> "tuple[T, List[Any]]":
         """Run ``fn`` on every rank and all-gather ``share(result)``; if ``fn`` failed
         anywhere, every rank raises the same error. Returns (local result, shared list)."""
         value, failure, exc = self._run(fn)
-        shared = None if failure is not None else share(value)
+        if failure is None:
+            shared, failure, exc = self._run(lambda: share(value))
+        else:
+            shared = None
+        shared, failure, exc = self._sendable(shared, failure, exc)
         outcomes = self.all_gather_object((shared, failure))
         _raise_first([f for _, f in outcomes if f is not None], exc)
         return value, [s for s, _ in outcomes]
@@ -182,6 +201,7 @@ class DistWrapper:
     def all_gather(self, fn: Callable[[], T]) -> List[T]:
         """Run ``fn`` on every rank and give every rank all results (or the same error)."""
         value, failure, exc = self._run(fn)
+        value, failure, exc = self._sendable(value, failure, exc)
         outcomes = self.all_gather_object((value, failure))
         _raise_first([f for _, f in outcomes if f is not None], exc)
         return [v for v, _ in outcomes]
@@ -190,12 +210,14 @@ class DistWrapper:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator over all local results,
         which returns one result per rank; each rank gets its own (or the same error)."""
         value, failure, exc = self._run(local_fn)
+        value, failure, exc = self._sendable(value, failure, exc)
         gathered = self.gather_object((value, failure))
         per_rank: Optional[List[Any]] = None
         if self.is_coordinator:
             failures = [f for _, f in gathered if f is not None]
             if not failures:
                 results, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
+                results, g_failure, _ = self._sendable(results, g_failure, None)
                 if g_failure is not None:
                     failures = [g_failure]
                 else:
@@ -210,12 +232,14 @@ class DistWrapper:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the
         error of any step on any rank) is broadcast to all."""
         value, failure, exc = self._run(local_fn)
+        value, failure, exc = self._sendable(value, failure, exc)
         gathered = self.gather_object((value, failure))
         outcome: Any = None
         if self.is_coordinator:
             failures = [f for _, f in gathered if f is not None]
             if not failures:
                 result, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
+                result, g_failure, _ = self._sendable(result, g_failure, None)
                 failures = [g_failure] if g_failure is not None else []
                 outcome = (result, failures)
             else:

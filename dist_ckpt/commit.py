@@ -137,6 +137,14 @@ class SaveLock:
             os.close(self._fd)
             self._fd = None
 
+    def __del__(self) -> None:
+        # A save abandoned without finalization (an AsyncRequest dropped on the floor) must
+        # not keep its target locked for the life of the process.
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to do
+            pass
+
 
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swap two directories; False if the filesystem/kernel cannot."""

@@ -6,7 +6,8 @@ sharded state dicts ports unchanged.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Tuple, Union
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Union
 
 import torch
 
@@ -14,6 +15,10 @@ __all__ = [
     "extract_matching_values",
     "nested_values",
     "nested_items_iter",
+    "dict_map",
+    "dict_map_with_key",
+    "map_reduce",
+    "inspect_types",
     "dict_list_map_inplace",
     "dict_list_map_outplace",
     "merge",
@@ -73,20 +78,67 @@ def extract_matching_values(
     return matching, nonmatching
 
 
-def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any]]:
-    """Yield (key-or-index, leaf) pairs of every leaf of ``x``."""
+def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any, Any]]:
+    """Yield (container, key-or-index, leaf) for every leaf of ``x`` (Megatron-Core's triples:
+    ``container[key] = new`` replaces the leaf)."""
     items = x.items() if isinstance(x, dict) else enumerate(x)
     for k, v in items:
         if isinstance(v, (dict, list)):
             yield from nested_items_iter(v)
         else:
-            yield k, v
+            yield x, k, v
 
 
 def nested_values(x: Nested) -> Iterator[Any]:
     """Yield every leaf of ``x``."""
-    for _, v in nested_items_iter(x):
+    for _, _, v in nested_items_iter(x):
         yield v
+
+
+def dict_map(f: Callable[[Any], Any], d: Nested) -> None:
+    """Replace every leaf ``v`` of ``d`` by ``f(v)``, in place."""
+    for container, k, v in list(nested_items_iter(d)):
+        container[k] = f(v)
+
+
+def dict_map_with_key(f: Callable[[Any, Any], Any], d: Nested) -> None:
+    """Replace every leaf ``v`` (at key or index ``k`` of its container) by ``f(k, v)``, in place."""
+    for container, k, v in list(nested_items_iter(d)):
+        container[k] = f(k, v)
+
+
+def map_reduce(xs: Iterable[Any], key_fn: Callable[[Any], Any] = lambda x: x,
+               value_fn: Callable[[Any], Any] = lambda x: x, reduce_fn: Callable[[List[Any]], Any] = lambda x: x
+               ) -> Dict[Any, Any]:
+    """Group ``value_fn(x)`` by ``key_fn(x)`` and reduce each group's list with ``reduce_fn``
+    (``more_itertools.map_reduce``'s interface)."""
+    groups: Dict[Any, List[Any]] = defaultdict(list)
+    for x in xs:
+        groups[key_fn(x)].append(value_fn(x))
+    return {k: reduce_fn(v) for k, v in groups.items()}
+
+
+def inspect_types(x: Any, prefix: Tuple = (), indent: int = 4) -> None:
+    """Print the nested structure of ``x`` with the type of each leaf (for debugging)."""
+    pad = " " * indent * len(prefix)
+    if isinstance(x, dict):
+        print()
+        for k, v in x.items():
+            print(f"{pad}> {k}: ", end="")
+            inspect_types(v, prefix + (k,), indent)
+    elif isinstance(x, list):
+        print()
+        for i, v in enumerate(x):
+            print(f"{pad}- {i}: ", end="")
+            inspect_types(v, prefix + (i,), indent)
+    elif isinstance(x, torch.Tensor):
+        print(f"Tensor of shape {tuple(x.shape)}")
+    else:
+        try:
+            text = str(x)
+        except Exception:  # noqa: BLE001 - any object may be printed
+            text = "<no str>"
+        print(f"{type(x).__name__}: {text[:30]}")
 
 
 def dict_list_map_inplace(f: Callable[[Any], Any], x: Nested) -> Nested:

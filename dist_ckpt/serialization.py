@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
@@ -81,6 +82,7 @@ __all__ = [
     "remove_sharded_tensors",
     "check_is_distributed_checkpoint",
     "verify_checkpoint_and_load_strategy",
+    "compare_common_state_dicts",
     "commit_staged",
     "get_default_save_sharded_strategy",
     "get_default_save_common_strategy",
@@ -171,20 +173,30 @@ def _assemble(template: Any, common: Any, loaded: Any) -> Any:
 CONTENT_METADATA_KEY = "content_metadata"
 
 
-def _compare_common_state_dicts(
+def compare_common_state_dicts(
     dist: DistWrapper, common_state_dict: StateDict, preprocess: Optional[Callable[[StateDict], StateDict]]
 ) -> None:
-    """Log where a rank's common state differs from rank 0's (which is the one saved)."""
-    mine = preprocess(common_state_dict) if preprocess else common_state_dict
-    reference = dist.broadcast_object(mine if dist.is_coordinator else None)
-    if not dist.is_coordinator:
-        only_rank0, only_here, mismatch = diff(reference, mine)
-        if only_rank0 or only_here or mismatch:
-            logger.warning(
-                "rank %d's common state dict differs from rank 0's, which is what gets saved: keys only on "
-                "rank 0: %s, only here: %s, different values: %s",
-                dist.rank, only_rank0, only_here, [m[0] for m in mismatch],
-            )
+    """Log where a rank's common state differs from rank 0's (which is the one saved).
+
+    Collective, and it survives errors: ``preprocess`` failing or rank 0's dict not pickling
+    on any rank is raised, identically, on every rank (no rank is left waiting).
+    """
+
+    def local() -> Tuple[Any, Optional[bytes]]:
+        mine = preprocess(common_state_dict) if preprocess else common_state_dict
+        return mine, (pickle.dumps(mine) if dist.is_coordinator else None)
+
+    (mine, _), shared = dist.exchange(local, share=lambda result: result[1])
+    if dist.is_coordinator:
+        return
+    reference = pickle.loads(shared[dist.coordinator_rank])  # noqa: S301 - bytes rank 0 just pickled
+    only_rank0, only_here, mismatch = diff(reference, mine)
+    if only_rank0 or only_here or mismatch:
+        logger.warning(
+            "rank %d's common state dict differs from rank 0's, which is what gets saved: keys only on "
+            "rank 0: %s, only here: %s, different values: %s",
+            dist.rank, only_rank0, only_here, [m[0] for m in mismatch],
+        )
 
 
 def load_content_metadata(
@@ -253,13 +265,20 @@ def save(
         raise CheckpointingException(
             f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded_strategy}"
         )
-    sharded_part, common_state_dict, _ = _split_state_dict(sharded_state_dict)
+    # Factories run user code: a failure on one rank is raised on all of them.
+    sharded_part, common_state_dict, _ = dist.all_run(lambda: _split_state_dict(sharded_state_dict))
     if content_metadata is not None:
         common_state_dict[CONTENT_METADATA_KEY] = content_metadata
     if validate_access_integrity and dist.world_size > 1:
-        _compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)
+        compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)
+
+    configs: List[CheckpointingConfig] = []
 
     def local_metadata() -> Optional[List[ShardedBase]]:
+        # Built (and validated) on every rank inside the shared step: a failure reaches all.
+        configs.append(CheckpointingConfig(
+            sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+        ))
         if not validate_access_integrity:
             return None
         return [sh.without_data() for sh in nested_values(sharded_part)]
@@ -280,9 +299,7 @@ def save(
         if staged:
             staged[0].abort()
 
-    config = CheckpointingConfig(
-        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-    )
+    config = configs[0]
 
     def commit() -> None:
         entries = forget_recorder(staging)

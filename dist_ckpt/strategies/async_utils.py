@@ -1,36 +1,54 @@
-"""Background saving: ``AsyncRequest`` (what to run and how to finish) and ``AsyncCallsQueue``.
+"""Background saving: ``AsyncRequest`` (what to run and how to finish), the callers that run
+the write away from the training loop, and ``AsyncCallsQueue``.
 
 Call order of an asynchronous save:
   1. ``save(..., async_sharded_save=True)`` plans collectively, stages tensor bytes (copies,
      so training may change its tensors right away) and returns an ``AsyncRequest`` without
      having written tensor data or committed anything;
   2. the caller ``schedule_async_request(request)`` on an ``AsyncCallsQueue``: the write runs
-     in a background thread;
+     in a background thread (``TemporalAsyncCaller``) or in one persistent writer process
+     (``PersistentAsyncCaller``, forked once from the main thread and reused, as Megatron-Core's);
   3. every rank calls ``maybe_finalize_async_calls(blocking=...)`` now and then (e.g. each
      training step). Ranks agree (one all-reduce) on which requests finished everywhere;
      for those, the finalize functions run in order on every rank: they are collective,
      exchange failures, and the last one commits the checkpoint (``metadata.json``);
-  4. ``close()`` finalizes whatever is left, blocking.
+  4. ``close()`` finalizes whatever is left, blocking, and stops the writer process.
 
-A failure in the background write on any rank surfaces, on every rank, from the finalize step.
+A failure of the write on any rank - an exception (``BaseException`` included: torch's
+``CheckpointException`` is one), a writer process that died, or a write still running after
+``timeout_s`` - surfaces, on every rank, from the finalize step. An ``AsyncRequest`` dropped
+without finalization releases its save's lock (``SaveLock`` is released when collected).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
+import queue as queue_module
 import signal
 import threading
+import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch.multiprocessing as torch_mp
 
 from ..collectives import DistWrapper
 from ..core import CheckpointingException
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncRequest", "AsyncCallsQueue", "run_in_forked_process"]
+__all__ = [
+    "AsyncRequest",
+    "AsyncCaller",
+    "TemporalAsyncCaller",
+    "PersistentAsyncCaller",
+    "AsyncCallsQueue",
+    "DEFAULT_WRITE_TIMEOUT_S",
+]
+
+DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this is a failure
 
 
 @dataclass
@@ -44,6 +62,11 @@ class AsyncRequest:
     is_frozen: bool = False
     async_error: Optional[BaseException] = field(default=None, repr=False)
     cleanup_fns: List[Callable[[], None]] = field(default_factory=list)
+    async_result: Any = field(default=None, repr=False)  # what async_fn returned
+    # "thread" or "process": where this request's writer would rather run (a queue built with
+    # persistent=True/False decides for all). "process" needs a picklable async_fn.
+    preferred_caller: str = "thread"
+    call_idx: Optional[int] = None  # set by the queue when scheduled
 
     def add_finalize_fn(self, fn: Callable[[], None]) -> None:
         if self.is_frozen:
@@ -63,8 +86,8 @@ class AsyncRequest:
         if self.async_fn is None:
             return
         try:
-            self.async_fn(*self.async_fn_args)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank by finalize()
+            self.async_result = self.async_fn(*self.async_fn_args)
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is one; finalize() reports it
             logger.debug("checkpoint write failed", exc_info=True)
             self.async_error = exc
 
@@ -95,23 +118,221 @@ class AsyncRequest:
         self.finalize(dist_wrapper)
 
 
+class AsyncCaller(ABC):
+    """Runs the write (``async_fn``) of scheduled requests away from the training loop.
+
+    Call order: 1. ``schedule_async_call(request)`` (main thread); 2. ``is_current_async_call_done
+    (request, blocking)`` until True - by then the request's ``async_result`` or ``async_error``
+    is set; 3. ``close()``. Local to this rank: the queue agrees with the other ranks.
+    """
+
+    def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+        self.timeout_s = timeout_s
+
+    @abstractmethod
+    def schedule_async_call(self, request: AsyncRequest) -> None:
+        """Start the request's write."""
+
+    @abstractmethod
+    def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
+        """True once the write finished (well or not), died, or ran past ``timeout_s``."""
+
+    def close(self) -> None:
+        """Release what the caller holds (threads end on their own)."""
+
+
+class TemporalAsyncCaller(AsyncCaller):
+    """A background thread per request. (Megatron-Core's forks a process per request; here
+    the writer process is the persistent one, forked once, never from a helper thread.)"""
+
+    def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+        super().__init__(timeout_s)
+        self._threads: Dict[int, Tuple[threading.Thread, float]] = {}
+
+    def schedule_async_call(self, request: AsyncRequest) -> None:
+        if request.async_fn is None:
+            return
+        thread = threading.Thread(target=request.run_async_fn, name=f"dist_ckpt-async-{request.call_idx}",
+                                  daemon=True)
+        thread.start()
+        self._threads[id(request)] = (thread, time.monotonic())
+
+    def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
+        entry = self._threads.get(id(request))
+        if entry is None:
+            return True
+        thread, started = entry
+        if blocking:
+            thread.join(max(0.0, self.timeout_s - (time.monotonic() - started)))
+        if thread.is_alive():
+            if time.monotonic() - started < self.timeout_s:
+                return False
+            request.async_error = CheckpointingException(
+                f"the background checkpoint write did not finish within {self.timeout_s:.0f} s "
+                f"(timeout_s); the checkpoint was not committed"
+            )
+        del self._threads[id(request)]
+        return True
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (no orphaned writer holding files)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - other systems: the parent check in the loop remains
+        pass
+
+
+def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
+    """The persistent writer process: run jobs until told to stop (or the training process is
+    gone); report every outcome."""
+    _die_with_parent()
+    while True:
+        try:
+            job = jobs.get(timeout=1.0)
+        except queue_module.Empty:
+            if os.getppid() != parent_pid:
+                return
+            continue
+        if job is None:
+            return
+        idx, fn, args = job
+        try:
+            results.put((idx, "ok", fn(*args)))
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
+            results.put((idx, "error", f"{type(e).__name__}: {e}"))
+
+
+class PersistentAsyncCaller(AsyncCaller):
+    """One writer process per rank, forked from the main thread at the first request and reused
+    (Megatron-Core's persistent caller). Requests run in order; their ``async_fn`` and
+    arguments go through a torch.multiprocessing queue (CPU tensors in shared memory: no copy
+    when they were staged there). If the process dies (killed, out of memory) or a write runs
+    past ``timeout_s``, the pending requests fail with a ``CheckpointingException`` naming it,
+    and the next request starts a new process."""
+
+    def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+        super().__init__(timeout_s)
+        self._process: Any = None
+        self._jobs: Any = None
+        self._results: Any = None
+        self._pending: Dict[int, Tuple[AsyncRequest, float]] = {}
+        self._next = 0
+
+    @property
+    def pid(self) -> Optional[int]:
+        return None if self._process is None else self._process.pid
+
+    def _ensure_process(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        if threading.current_thread() is not threading.main_thread():
+            raise CheckpointingException(
+                "the persistent checkpoint writer is started from the main thread only (forking from "
+                "another thread can deadlock the child); schedule the request from the main thread"
+            )
+        ctx = torch_mp.get_context("fork")
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        self._process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
+                                    name="dist_ckpt-writer", daemon=True)
+        self._process.start()
+        logger.debug("started the persistent checkpoint writer, pid %d", self._process.pid)
+
+    def schedule_async_call(self, request: AsyncRequest) -> None:
+        if request.async_fn is None:
+            return
+        self._ensure_process()
+        token = self._next
+        self._next += 1
+        self._pending[token] = (request, time.monotonic())
+        request.call_idx = token if request.call_idx is None else request.call_idx
+        self._jobs.put((token, request.async_fn, request.async_fn_args))
+        request._caller_token = token  # type: ignore[attr-defined]
+
+    def _collect(self, wait_s: float) -> None:
+        try:
+            token, kind, value = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
+        except queue_module.Empty:
+            return
+        entry = self._pending.pop(token, None)
+        if entry is None:
+            return
+        request = entry[0]
+        if kind == "ok":
+            request.async_result = value
+        else:
+            request.async_error = CheckpointingException(f"the background checkpoint writer failed: {value}")
+
+    def _fail_pending(self, reason: str) -> None:
+        for request, _ in self._pending.values():
+            request.async_error = CheckpointingException(f"{reason}; the checkpoint was not committed")
+        self._pending.clear()
+
+    def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
+        token = getattr(request, "_caller_token", None)
+        while token in self._pending:
+            _, started = self._pending[token]
+            self._collect(0.05 if blocking else 0.0)
+            if token not in self._pending:
+                break
+            if not self._process.is_alive():
+                self._collect(0.5)  # a result sent just before exiting
+                if token in self._pending:
+                    code = self._process.exitcode
+                    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                           else f"exited with code {code}")
+                    self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) {how}")
+                break
+            if time.monotonic() - started >= self.timeout_s:
+                self._process.kill()
+                self._process.join()
+                self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) did not finish "
+                                   f"within {self.timeout_s:.0f} s (timeout_s) and was stopped")
+                break
+            if not blocking:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            self._jobs.put(None)
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._process = None
+
+
 @dataclass
 class _ScheduledCall:
     idx: int
     request: AsyncRequest
-    thread: Optional[threading.Thread]
-
-    def done(self) -> bool:
-        return self.thread is None or not self.thread.is_alive()
+    caller: AsyncCaller
 
 
 class AsyncCallsQueue:
-    """Runs scheduled ``AsyncRequest`` writes in background threads and finalizes them."""
+    """Runs scheduled ``AsyncRequest`` writes in the background and finalizes them in order.
 
-    def __init__(self, dist_wrapper: Optional[DistWrapper] = None) -> None:
+    Args:
+        dist_wrapper: the ranks that finalize together (default: the default process group).
+        persistent: True: every write runs in one persistent writer process
+            (``PersistentAsyncCaller``); False: in a thread each (``TemporalAsyncCaller``); None
+            (default): as each request prefers (a strategy's ``async_writer``).
+        timeout_s: a write still running after this long fails (on every rank).
+    """
+
+    def __init__(self, dist_wrapper: Optional[DistWrapper] = None, persistent: Optional[bool] = None,
+                 timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
         self._dist = dist_wrapper
         self._calls: List[_ScheduledCall] = []
         self._next_idx = 0
+        self.persistent = persistent
+        self.timeout_s = timeout_s
+        self._persistent_caller: Optional[PersistentAsyncCaller] = None
 
     @property
     def dist(self) -> DistWrapper:
@@ -119,18 +340,23 @@ class AsyncCallsQueue:
             self._dist = DistWrapper()
         return self._dist
 
+    def _caller_for(self, request: AsyncRequest) -> AsyncCaller:
+        use_process = self.persistent if self.persistent is not None else request.preferred_caller == "process"
+        if not use_process:
+            return TemporalAsyncCaller(self.timeout_s)
+        if self._persistent_caller is None:
+            self._persistent_caller = PersistentAsyncCaller(self.timeout_s)
+        return self._persistent_caller
+
     def schedule_async_request(self, request: AsyncRequest) -> int:
         """Start the request's write in the background; returns its call index."""
         request.freeze()
-        call = _ScheduledCall(self._next_idx, request, None)
+        request.call_idx = self._next_idx
         self._next_idx += 1
-        if request.async_fn is not None:
-            call.thread = threading.Thread(
-                target=request.run_async_fn, name=f"dist_ckpt-async-{call.idx}", daemon=True
-            )
-            call.thread.start()
-        self._calls.append(call)
-        return call.idx
+        caller = self._caller_for(request)
+        caller.schedule_async_call(request)
+        self._calls.append(_ScheduledCall(request.call_idx, request, caller))
+        return request.call_idx
 
     def get_num_unfinalized_calls(self) -> int:
         return len(self._calls)
@@ -143,9 +369,7 @@ class AsyncCallsQueue:
         finalized: List[int] = []
         while self._calls:
             call = self._calls[0]
-            if blocking and call.thread is not None:
-                call.thread.join()
-            done = 1 if call.done() else 0
+            done = 1 if call.caller.is_current_async_call_done(call.request, blocking) else 0
             if not no_dist:
                 done = self.dist.all_reduce_min(done)
             if not done:
@@ -156,39 +380,10 @@ class AsyncCallsQueue:
         return finalized
 
     def close(self) -> None:
-        """Finalize every outstanding call (blocking)."""
-        self.maybe_finalize_async_calls(blocking=True)
-
-
-def run_in_forked_process(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` in a forked child (it sees this process's memory, e.g. staged tensors, with
-    no copy and no pickling) and return its picklable result. The child only writes files;
-    if it dies (killed, out of memory) that is a ``CheckpointingException`` here, not a hang.
-    """
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: no collectives, no threads of the parent; report and exit
-        os.close(read_fd)
+        """Finalize every outstanding call (blocking), then stop the writer process."""
         try:
-            payload = pickle.dumps(("ok", fn()))
-        except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-            payload = pickle.dumps(("error", f"{type(e).__name__}: {e}"))
-        with os.fdopen(write_fd, "wb") as f:
-            f.write(payload)
-        os._exit(0)
-    os.close(write_fd)
-    with os.fdopen(read_fd, "rb") as f:
-        payload = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        raise CheckpointingException(
-            f"the background checkpoint writer (pid {pid}) was killed by {signal.Signals(sig).name}; "
-            f"the checkpoint was not committed"
-        )
-    if not payload:
-        raise CheckpointingException(f"the background checkpoint writer (pid {pid}) exited without a result")
-    kind, value = pickle.loads(payload)
-    if kind == "error":
-        raise CheckpointingException(f"the background checkpoint writer failed: {value}")
-    return value
+            self.maybe_finalize_async_calls(blocking=True)
+        finally:
+            if self._persistent_caller is not None:
+                self._persistent_caller.close()
+                self._persistent_caller = None

@@ -18,7 +18,8 @@ import io
 import logging
 import pickle
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -46,7 +47,7 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..safe_unpickle import safe_torch_load
-from .async_utils import AsyncRequest, run_in_forked_process
+from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .torch_dist_plan import (
@@ -90,6 +91,36 @@ class _ItemSource:
         return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
 
 
+def stage_copy(tensor: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """The copy an asynchronous save writes from, so that training may change ``tensor`` at
+    once; in shared memory when a writer process will read it (then it is not copied again)."""
+    if not shared:
+        return tensor.to("cpu", copy=True)
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+    copy.copy_(tensor)
+    return copy
+
+
+@dataclass
+class DcpWriteJob:
+    """One rank's data files of a save: picklable, so that it runs in a thread of this process
+    or in the persistent writer process alike. Returns (DCP write results, manifest entries)."""
+
+    checkpoint_dir: Path
+    prefix: str
+    items: List[WriteItem]
+    tensors: Dict[MetadataIndex, torch.Tensor]
+    objects: Dict[str, bytes]
+    thread_count: int = 1
+
+    def __call__(self) -> Tuple[List[Any], List[Any]]:
+        recorder = Recorder()
+        results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
+                                  _ItemSource(self.tensors, self.objects), recorder, self.thread_count)
+        fsync_directory(self.checkpoint_dir)
+        return results, recorder.entries()
+
+
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Saves main replicas of ShardedTensors and ShardedObjects as a DCP checkpoint.
 
@@ -100,9 +131,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             every rank raises at finalization).
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 1,
+    def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
+                 thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
                  async_writer: str = "thread") -> None:
+        """Megatron-Core's arguments are accepted: ``cached_metadata`` and ``separation_hint``
+        change nothing here (planning is cheap and files are split by ``thread_count``);
+        ``keep_only_main_replica=False`` (writing replicas too) is refused."""
         super().__init__(backend, version)
+        if not keep_only_main_replica:
+            raise CheckpointingException("keep_only_main_replica=False is not supported: only main replicas are "
+                                         "written (use FullyParallelSaveStrategyWrapper to spread them)")
+        self.cached_metadata = cached_metadata
+        self.separation_hint = separation_hint
         if async_writer not in ("thread", "process"):
             raise CheckpointingException(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
@@ -141,36 +181,29 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         plan: SavePlan = dist.reduce_scatter(local_step, global_step)
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         sources: Dict[MetadataIndex, torch.Tensor] = {}
-        for item, sh in zip(tensor_items, tensors):
-            data = sh.data.detach()
-            sources[item.index] = data.to("cpu", copy=True) if stage else data
-        source = _ItemSource(sources, object_blobs)
-        write_results: List[Any] = []
 
-        def write_files(into: Recorder) -> List[Any]:
-            return write_dcp_files(checkpoint_dir, f"__{dist.rank}_", plan.items, source, into, self.thread_count)
+        def stage_tensors() -> None:
+            for item, sh in zip(tensor_items, tensors):
+                data = sh.data.detach()
+                sources[item.index] = stage_copy(data, shared=self.async_writer == "process") if stage else data
 
-        def write() -> None:
-            if stage and self.async_writer == "process":
-                def in_child() -> Any:
-                    child_recorder = Recorder()
-                    return write_files(child_recorder), child_recorder.entries()
-
-                results, entries = run_in_forked_process(in_child)
-                for e in entries:
-                    recorder.add(e.file, e.offset, e.length, e.hash, e.key)
-                write_results.extend(results)
-            else:
-                write_results.extend(write_files(recorder))
-            fsync_directory(checkpoint_dir)
+        dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
+        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", plan.items, sources, object_blobs, self.thread_count)
+        request = AsyncRequest(job, (), [])
 
         def finish_metadata() -> None:
+            write_results, entries = request.async_result
+            for e in entries:
+                recorder.add(e.file, e.offset, e.length, e.hash, e.key)
+
             def commit(all_results: List[List[Any]]) -> None:
                 write_dcp_metadata(checkpoint_dir, global_metadata[0], [r for rs in all_results for r in rs], recorder)
 
             dist.all_reduce(lambda: write_results, commit)
 
-        return AsyncRequest(write, (), [finish_metadata])
+        request.add_finalize_fn(finish_metadata)
+        request.preferred_caller = "process" if self.async_writer == "process" else "thread"
+        return request
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
