@@ -63,10 +63,10 @@ from .strategies.base import (
 )
 from .validation import (
     StrictHandling,
-    determine_mismatched_keys,
     parse_strict_flag,
-    report_mismatched_keys,
+    validate_integrity_and_strict_load,
     validate_sharding_integrity,
+    verify_checkpoint_and_load_strategy,
 )
 
 logger = logging.getLogger(__name__)
@@ -337,43 +337,6 @@ def save(
     return None
 
 
-def verify_checkpoint_and_load_strategy(
-    checkpoint_dir: PathLike,
-    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
-    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
-) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
-    """The strategies to read ``checkpoint_dir`` with (defaults from its metadata.json),
-    checked against the backend and version the checkpoint declares."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if is_dist_ckpt_leftover(checkpoint_dir):
-        raise CheckpointNotFoundError(
-            f"{checkpoint_dir} is what an interrupted save left behind, not a checkpoint; "
-            f"remove it with `dist-ckpt clean`"
-        )
-    if not checkpoint_dir.is_dir():
-        raise CheckpointNotFoundError(
-            f"Checkpoint directory {checkpoint_dir} does not exist{missing_target_hint(checkpoint_dir)}"
-        )
-    config = maybe_load_config(checkpoint_dir)
-    if config is None:
-        raise CheckpointNotFoundError(
-            f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
-            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint"
-        )
-    verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
-    sharded = resolve_strategy(
-        StrategyAction.LOAD_SHARDED, sharded_strategy, (config.sharded_backend, config.sharded_backend_version)
-    )
-    common = resolve_strategy(
-        StrategyAction.LOAD_COMMON, common_strategy, (config.common_backend, config.common_backend_version)
-    )
-    sharded.check_backend_compatibility(config.sharded_backend)
-    sharded.check_version_compatibility(config.sharded_backend_version)
-    common.check_backend_compatibility(config.common_backend)
-    common.check_version_compatibility(config.common_backend_version)
-    return sharded, common
-
-
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -426,23 +389,11 @@ def _load(
 
     def load_local():
         nonlocal sharded_part
-        missing: Set[str] = set()
-        unexpected: Set[str] = set()
-        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
-            ckpt_keys = {sh.key for sh in load_sharded_metadata(checkpoint_dir, sharded, common).values()}
-            local = list(nested_values(sharded_part))
-            missing, unexpected = determine_mismatched_keys(
-                ckpt_keys, local, None if strict in _UNEXPECTED_ONLY else global_md
-            )
-            _, sharded_part = extract_matching_values(sharded_part, lambda x: x.key in unexpected)
-            if strict == StrictHandling.IGNORE_ALL:
-                missing, unexpected = set(), set()
-            elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
-                report_mismatched_keys(missing, unexpected, raise_error=True)
-            elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
-                report_mismatched_keys(missing, unexpected, raise_error=False)
-        if validate_access_integrity:
-            validate_sharding_integrity(global_md, loading=True)
+        ckpt_md = (load_sharded_metadata(checkpoint_dir, sharded, common)
+                   if StrictHandling.requires_explicit_ckpt_mismatch_check(strict) else None)
+        sharded_part, missing, unexpected = validate_integrity_and_strict_load(
+            sharded_part, strict, validate_access_integrity, local_md, global_md, ckpt_md
+        )
         loaded: StateDict = {}
         if not sharded.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(
@@ -463,14 +414,6 @@ def _load(
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result
-
-
-_UNEXPECTED_ONLY = (
-    StrictHandling.ASSUME_OK_UNEXPECTED,
-    StrictHandling.LOG_UNEXPECTED,
-    StrictHandling.RAISE_UNEXPECTED,
-    StrictHandling.RETURN_UNEXPECTED,
-)
 
 
 def load_common_state_dict(checkpoint_dir: PathLike, *, verify_checksums: bool = True) -> StateDict:

@@ -16,11 +16,26 @@ import logging
 import math
 from collections import defaultdict
 from enum import Enum
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from .core import KeyMismatchError, ShardingError
+import os
+from pathlib import Path
+
+from .core import (
+    CONFIG_FNAME,
+    CheckpointingException,
+    CheckpointNotFoundError,
+    KeyMismatchError,
+    ShardingError,
+    StrategyCompatibilityError,
+    maybe_load_config,
+)
+from .commit import is_dist_ckpt_leftover, missing_target_hint
+from .dict_utils import extract_matching_values, nested_values
 from .geometry import find_overlap
-from .mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+from .integrity import verify_bytes
+from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, resolve_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +45,12 @@ __all__ = [
     "validate_sharding_integrity",
     "determine_mismatched_keys",
     "report_mismatched_keys",
+    "maybe_report_missing_and_unexpected_keys",
+    "adjust_non_strict_load",
+    "determine_global_metadata",
+    "validate_integrity_and_strict_load",
+    "validate_sharded_objects_handling",
+    "verify_checkpoint_and_load_strategy",
 ]
 
 LocalMetadata = List[ShardedBase]
@@ -208,3 +229,119 @@ def report_mismatched_keys(missing: Set[str], unexpected: Set[str], raise_error:
     if raise_error:
         raise KeyMismatchError(msg + ". Use strict=StrictHandling.LOG_ALL or RETURN_ALL to load anyway.")
     logger.warning(msg)
+
+
+def maybe_report_missing_and_unexpected_keys(missing_keys: Set[str], unexpected_keys: Set[str],
+                                             raise_error: bool = True) -> None:
+    """Raise ``KeyMismatchError`` (or log, with ``raise_error=False``) if either set is non-empty."""
+    report_mismatched_keys(missing_keys, unexpected_keys, raise_error)
+
+
+def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to_remove: Set[str]) -> ShardedStateDict:
+    """The request without the sharded items whose key is in ``sharded_keys_to_remove``."""
+    _, kept = extract_matching_values(
+        sharded_state_dict, lambda x: isinstance(x, ShardedBase) and x.key in sharded_keys_to_remove,
+        return_lists_as_dicts=True,
+    )
+    return kept
+
+
+def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[LocalMetadata, GlobalMetadata]:
+    """(this rank's sharded items without data, every rank's): one all-gather, collective,
+    with a failure on any rank raised on all."""
+    from .collectives import DistWrapper
+
+    local = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
+    return local, DistWrapper().all_gather(lambda: local)
+
+
+def validate_integrity_and_strict_load(
+    sharded_state_dict: ShardedStateDict,
+    strict: StrictHandling,
+    validate_access_integrity: bool,
+    local_metadata: Optional[LocalMetadata] = None,
+    global_metadata: Optional[GlobalMetadata] = None,
+    ckpt_sharded_metadata: Optional[Dict[str, ShardedBase]] = None,
+) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
+    """Check a load request against itself (all ranks) and against the checkpoint.
+
+    Returns (the request without unexpected keys, missing keys, unexpected keys); what is
+    raised, logged or returned follows ``strict`` (see ``StrictHandling``). Missing keys need
+    ``global_metadata`` (the ``*_ALL`` modes); ``ckpt_sharded_metadata`` (from
+    ``load_sharded_metadata``) is needed by every mode but ``ASSUME_OK_UNEXPECTED``.
+    """
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
+        if ckpt_sharded_metadata is None:
+            raise CheckpointingException("strict handling other than ASSUME_OK_UNEXPECTED needs ckpt_sharded_metadata")
+        if local_metadata is None:
+            local_metadata = [sh.without_data() for sh in nested_values(sharded_state_dict)]
+        ckpt_keys = {sh.key for sh in ckpt_sharded_metadata.values()}
+        only_unexpected = strict in (StrictHandling.ASSUME_OK_UNEXPECTED, StrictHandling.LOG_UNEXPECTED,
+                                     StrictHandling.RAISE_UNEXPECTED, StrictHandling.RETURN_UNEXPECTED)
+        missing, unexpected = determine_mismatched_keys(ckpt_keys, local_metadata,
+                                                        None if only_unexpected else global_metadata)
+        sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
+        if strict == StrictHandling.IGNORE_ALL:
+            missing, unexpected = set(), set()
+        elif strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            report_mismatched_keys(missing, unexpected, raise_error=True)
+        elif strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+            report_mismatched_keys(missing, unexpected, raise_error=False)
+    if validate_access_integrity:
+        if global_metadata is None:
+            raise CheckpointingException("validate_access_integrity needs global_metadata (determine_global_metadata)")
+        validate_sharding_integrity(global_metadata, loading=True)
+    return sharded_state_dict, missing, unexpected
+
+
+def validate_sharded_objects_handling(sharded_strategy: Any, common_strategy: Any) -> None:
+    """Raise ``StrategyCompatibilityError`` if neither strategy stores or reads ShardedObjects."""
+    if not sharded_strategy.can_handle_sharded_objects and not getattr(common_strategy, "can_handle_sharded_objects", False):
+        raise StrategyCompatibilityError(
+            f"neither {sharded_strategy} nor {common_strategy} handles ShardedObjects; use a common strategy "
+            f"that does (('torch', 1)) or a sharded one that does ('torch_dist')"
+        )
+
+
+PathLike = Union[str, os.PathLike]
+
+
+def verify_checkpoint_and_load_strategy(
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+) -> Tuple[LoadShardedStrategy, LoadCommonStrategy]:
+    """The strategies to read ``checkpoint_dir`` with (defaults from its metadata.json),
+    checked against the backend and version the checkpoint declares."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if is_dist_ckpt_leftover(checkpoint_dir):
+        raise CheckpointNotFoundError(
+            f"{checkpoint_dir} is what an interrupted save left behind, not a checkpoint; "
+            f"remove it with `dist-ckpt clean`"
+        )
+    if not checkpoint_dir.is_dir():
+        raise CheckpointNotFoundError(
+            f"Checkpoint directory {checkpoint_dir} does not exist{missing_target_hint(checkpoint_dir)}"
+        )
+    config = maybe_load_config(checkpoint_dir)
+    if config is None:
+        raise CheckpointNotFoundError(
+            f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
+            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint"
+        )
+    verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
+    sharded = resolve_strategy(
+        StrategyAction.LOAD_SHARDED, sharded_strategy, (config.sharded_backend, config.sharded_backend_version)
+    )
+    common = resolve_strategy(
+        StrategyAction.LOAD_COMMON, common_strategy, (config.common_backend, config.common_backend_version)
+    )
+    sharded.check_backend_compatibility(config.sharded_backend)
+    sharded.check_version_compatibility(config.sharded_backend_version)
+    common.check_backend_compatibility(config.common_backend)
+    common.check_version_compatibility(config.common_backend_version)
+    return sharded, common
+
+

@@ -20,11 +20,17 @@ from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..integrity import HashingWriter, read_verified, recorder_for
 from ..safe_unpickle import safe_torch_load
-from .base import LoadCommonStrategy, SaveCommonStrategy
+from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COMMON_STATE_FNAME", "TorchCommonSaveStrategy", "TorchCommonLoadStrategy", "durable_torch_save"]
+__all__ = [
+    "COMMON_STATE_FNAME",
+    "TorchCommonSaveStrategy",
+    "TorchCommonLoadStrategy",
+    "durable_torch_save",
+    "register_default_common_strategies",
+]
 
 COMMON_STATE_FNAME = "common.pt"
 
@@ -120,3 +126,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
+
+
+def register_default_common_strategies() -> None:
+    """(Re-)register the 'torch' v1 common strategies in the default registry."""
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy())
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, TorchCommonSaveStrategy("torch", 1))

@@ -11,6 +11,7 @@ registration function.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any, Dict, Iterable, Optional, Tuple
 
@@ -104,6 +105,8 @@ class MCoreSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         plan = create_default_local_save_plan(self.state_dict, True)  # objects on every rank
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
         return plan
 
