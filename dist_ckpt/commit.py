@@ -56,6 +56,7 @@ __all__ = [
     "staging_dir_for",
     "is_dist_ckpt_leftover",
     "checkpoint_entries",
+    "link_checkpoint_entries",
     "committed_checkpoints_inside",
     "clean",
     "recover",
@@ -249,6 +250,17 @@ def _link_foreign_entries(src: Path, dst: Path, skip: Set[str]) -> List[Path]:
         else:
             _link_or_copy(entry.path, target)
     return created
+
+
+def link_checkpoint_entries(src: Path, dst: Path) -> None:
+    """Hard-link the checkpoint entries of ``src`` (``checkpoint_entries``) into ``dst``,
+    directories recreated: a copy of the checkpoint that shares every byte with it. Safe to
+    change by replacing files (``atomic_write_bytes``) or deleting them, never by writing in place."""
+    ours = checkpoint_entries(src)
+    others = {e for e in os.listdir(src) if e not in ours}
+    for directory in _link_foreign_entries(src, dst, skip=others):
+        fsync_directory(directory)
+    fsync_directory(dst)
 
 
 def _move_back_foreign_entries(old: Path, target: Path, keep_out: Set[str], old_wins: bool) -> None:

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 CONFIG_FNAME = "metadata.json"
+MAX_CONFIG_BYTES = 1 << 20
 PathLike = Union[str, os.PathLike]
 
 
@@ -165,9 +166,10 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     config_path = Path(checkpoint_dir) / CONFIG_FNAME
     if not config_path.is_file():
         return None
+    size = config_path.stat().st_size  # before reading: a huge file is refused, not loaded
+    if size > MAX_CONFIG_BYTES:
+        raise CorruptCheckpointError(f"{config_path} is {size} bytes, not a dist_ckpt config (at most {MAX_CONFIG_BYTES})")
     raw = config_path.read_bytes()
-    if len(raw) > 1 << 20:
-        raise CorruptCheckpointError(f"{config_path} is {len(raw)} bytes, not a dist_ckpt config")
     try:
         content = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -180,12 +182,11 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     known = {f.name for f in fields(CheckpointingConfig)}
     unknown = sorted(set(content) - known)
     if unknown:
-        raise CorruptCheckpointError(
-            f"{config_path} has unknown fields {unknown}; expected only {sorted(known)}"
-        )
+        # A future Megatron-Core field must not make checkpoints unloadable: log and ignore.
+        logger.info("%s has fields this version does not know, ignored: %s", config_path, unknown)
     if "sharded_backend" not in content:
         raise CorruptCheckpointError(f"{config_path} lacks the required field 'sharded_backend'")
-    return CheckpointingConfig(**content)
+    return CheckpointingConfig(**{k: v for k, v in content.items() if k in known})
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import contextvars
 import enum
 import importlib
 import io
@@ -48,7 +49,9 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_trust_depth = 0
+# Per context (thread / asyncio task): a trusted block in one thread does not open the door
+# for loads running in other threads at the same time.
+_trusted: contextvars.ContextVar[bool] = contextvars.ContextVar("dist_ckpt_trusted_unpickling", default=False)
 _user_globals: List[Any] = []
 
 
@@ -100,19 +103,19 @@ def get_safe_globals() -> List[Any]:
 
 @contextlib.contextmanager
 def trusted_unpickling() -> Iterator[None]:
-    """Within this block, pickles load unrestricted (they may run code: trust the files)."""
-    global _trust_depth
-    with _lock:
-        _trust_depth += 1
+    """Within this block, pickles load unrestricted (they may run code: trust the files).
+
+    It applies to the calling thread (context) only; loads running elsewhere stay restricted.
+    """
+    token = _trusted.set(True)
     try:
         yield
     finally:
-        with _lock:
-            _trust_depth -= 1
+        _trusted.reset(token)
 
 
 def is_trusted_unpickling() -> bool:
-    return _trust_depth > 0
+    return _trusted.get()
 
 
 _OPT_IN_HINT = (
@@ -146,25 +149,63 @@ def _translate(what: str, exc: BaseException) -> Exception:
     )
 
 
-# Enums of these installed frameworks are allowed: rebuilding an enum member is a lookup by
-# value, and real Megatron-LM args hold some (e.g. AttnBackend). Only already-installed
-# modules under these prefixes are imported, never a module the file names freely.
-_ENUM_MODULE_PREFIXES = ("megatron.core.", "megatron.training.", "nemo.", "transformer_engine.")
+# Enums that real Megatron-LM / Megatron-Core args hold (e.g. AttnBackend). Rebuilding an
+# enum member is a lookup by value, so they are allowed - but only these, by their full names:
+# a module a file names is never imported because the file names it.
+_FRAMEWORK_ENUMS = frozenset(
+    [f"megatron.core.transformer.enums.{n}" for n in
+     ("ModelType", "LayerType", "AttnType", "AttnMaskType", "AttnBackend", "CudaGraphScope")]
+    + [f"megatron.core.enums.{n}" for n in ("ModelType", "Fp8Recipe", "Fp4Recipe")]
+)
 
 
 def _allowed_enums(names: Iterable[str]) -> List[Any]:
     allowed: List[Any] = []
     for full in names:
-        module_name, _, attr = full.rpartition(".")
-        if not module_name.startswith(_ENUM_MODULE_PREFIXES):
+        if full not in _FRAMEWORK_ENUMS:
             continue
+        module_name, _, attr = full.rpartition(".")
         try:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError):
             continue
         if isinstance(obj, type) and issubclass(obj, enum.Enum):
-            allowed.append(obj)
+            allowed.append((obj, full))
     return allowed
+
+
+# Globals torch's weights-only unpickler allows that build an object of a size the file
+# chooses without holding its bytes (``bytearray(2**40)``): refused before torch.load runs.
+_ALLOCATING_GLOBALS = frozenset({"builtins bytearray", "__builtin__ bytearray", "builtins range", "__builtin__ range"})
+
+
+def _refuse_allocating_globals(source: IO[bytes], what: str) -> None:
+    """Scan the pickle of a torch.save zip (``*/data.pkl``) for allocating globals. torch's
+    weights-only unpickler resolves GLOBAL opcodes only, so looking at those is complete."""
+    import pickletools
+    import zipfile
+
+    source.seek(0)
+    try:
+        with zipfile.ZipFile(source) as zf:
+            names = [n for n in zf.namelist() if n.endswith("data.pkl")]
+            pickled = zf.read(names[0]) if len(names) == 1 else None
+    except (zipfile.BadZipFile, OSError, KeyError, ValueError):
+        pickled = None  # not a zip (legacy format) or damaged: torch.load reports it
+    finally:
+        source.seek(0)
+    if pickled is None:
+        return
+    try:
+        found = next((arg for opcode, arg, _ in pickletools.genops(pickled)
+                      if opcode.name == "GLOBAL" and arg in _ALLOCATING_GLOBALS), None)
+    except (ValueError, IndexError, EOFError):
+        return  # damaged pickle: torch.load reports it
+    if found is not None:
+        raise UnsafePickleError(
+            f"{what} calls {found.replace(' ', '.')} (it would allocate memory the file chooses); nothing "
+            f"from it was executed. {_OPT_IN_HINT}"
+        )
 
 
 def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str, **kwargs: Any) -> Any:
@@ -173,6 +214,9 @@ def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: st
         source = io.BytesIO(source)
     if is_trusted_unpickling():
         return torch.load(source, map_location="cpu", weights_only=False, **kwargs)
+    if isinstance(source, (str, pathlib.Path)):
+        source = io.BytesIO(pathlib.Path(source).read_bytes())
+    _refuse_allocating_globals(source, what)
     allowed = get_safe_globals()
     for attempt in range(2):
         try:
@@ -220,14 +264,37 @@ def _plain_pickle_allowlist() -> Dict[str, Any]:
     for obj in (collections.OrderedDict, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.Path, pathlib.WindowsPath):
         allowed[f"{obj.__module__}.{obj.__qualname__}"] = obj
         allowed[f"pathlib.{obj.__qualname__}"] = obj
-    allowed["copyreg._reconstructor"] = __import__("copyreg")._reconstructor
+    allowed["copyreg._reconstructor"] = _object_reconstructor
     allowed["builtins.object"] = object
-    for name in ("set", "frozenset", "slice", "complex", "bytearray", "range"):
-        allowed[f"builtins.{name}"] = getattr(__import__("builtins"), name)
+    # No bytearray or range: they would build objects of any size a file asks for.
+    allowed["builtins.set"] = _bounded(set)
+    allowed["builtins.frozenset"] = _bounded(frozenset)
+    allowed["builtins.slice"] = slice
+    allowed["builtins.complex"] = complex
     # Placeholders Megatron-Core pickled into some .metadata files (its own "dummy" classes).
     for name in ("MCoreMetadata", "MCoreSavePlan"):
         allowed[f"megatron.core.dist_checkpointing.strategies.torch.{name}"] = _placeholder_class(name)
     return allowed
+
+
+def _bounded(container: type) -> Any:
+    """``set``/``frozenset`` of the items a file holds (a list or tuple), never of an iterator
+    that could produce more than the file's size."""
+
+    def build(items: Any = ()) -> Any:
+        if not isinstance(items, (list, tuple, set, frozenset)):
+            raise pickle.UnpicklingError(f"{container.__name__}() of a {type(items).__name__} was refused")
+        return container(items)
+
+    return build
+
+
+def _object_reconstructor(cls: type, base: type, state: Any) -> Any:
+    """``copyreg._reconstructor`` for plain classes only (``base`` object): with another base
+    (``bytearray``) it would allocate what the file asks."""
+    if base is not object:
+        raise pickle.UnpicklingError(f"copyreg._reconstructor with base {base!r} was refused")
+    return __import__("copyreg")._reconstructor(cls, base, state)
 
 
 def _placeholder_class(name: str) -> type:

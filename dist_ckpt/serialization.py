@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
-from .commit import StagedSave, begin_save, is_dist_ckpt_leftover, missing_target_hint
+from .commit import StagedSave, begin_save, link_checkpoint_entries
 from .core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -453,9 +453,21 @@ def load_plain_tensors(checkpoint_dir: PathLike, *, verify_checksums: bool = Tru
 
 
 def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
-    """Remove every tensor whose key starts with ``key_prefix`` (call from one process)."""
+    """Remove every tensor whose key starts with ``key_prefix`` (call from one process).
+
+    Crash-consistent, like a save: under the save lock, the change is made on a copy of the
+    checkpoint that shares its bytes (hard links) and committed by the same atomic swap, so a
+    process killed at any instant leaves the checkpoint before or after the removal.
+    """
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
-    sharded.remove_sharded_tensors(str(checkpoint_dir), key_prefix)
+    staged = begin_save(Path(os.path.abspath(checkpoint_dir)), overwrite=True)
+    try:
+        link_checkpoint_entries(staged.target, staged.staging)
+        sharded.remove_sharded_tensors(str(staged.staging), key_prefix)
+        staged.commit()
+    except BaseException:
+        staged.abort()
+        raise
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:

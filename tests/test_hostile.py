@@ -186,3 +186,183 @@ def test_verification_can_be_turned_off(ckpts):
 
 def test_every_error_is_ours(ckpts):
     assert all(issubclass(err, CheckpointingException) for _, _, err, _ in CASES.values())
+
+
+# -- hostile files cost nothing (allocation, imports, sizes, fields) ------------------------------
+
+class _Allocates:
+    """Pickles to ``callable(*args)``: what a hostile file can ask an unpickler to call."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+class _ImportsAModule:
+    """Pickles to a global of a module that is importable but that no checkpoint needs."""
+
+    def __reduce__(self):
+        import json.tool
+
+        return json.tool.main, ()
+
+
+@pytest.mark.parametrize("payload", [
+    _Allocates(bytearray, 1 << 40),
+    _Allocates(torch.Size, range(1 << 40)),
+    _Allocates(set, range(1 << 40)),
+    _Allocates(frozenset, range(1 << 40)),
+], ids=["bytearray", "Size(range)", "set(range)", "frozenset(range)"])
+@pytest.mark.parametrize("where", ["common.pt", "object", ".metadata"])
+def test_no_allowlisted_callable_allocates_what_a_file_asks(ckpts, payload, where):
+    ckpt = ckpts["torch_dist"]
+    if where == "common.pt":
+        torch.save({"step": payload}, ckpt / "common.pt")
+        call = lambda: dist_ckpt.load_common_state_dict(ckpt)  # noqa: E731
+    elif where == "object":
+        ckpt = ckpts["zarr"]
+        torch.save(payload, ckpt / "o" / "shard_0_1.pt")
+        call = lambda: dist_ckpt.load({"o": ShardedObject("o", None, (1,), (0,))}, ckpt)  # noqa: E731
+    else:
+        _rewrite_dcp_metadata(ckpt, lambda md: setattr(md, "planner_data", payload))
+        call = lambda: dist_ckpt.load_plain_tensors(ckpt)  # noqa: E731
+    (ckpt / "dist_ckpt_manifest.json").unlink(missing_ok=True)
+    with pytest.raises(CheckpointingException, match=r"refused|not in dist_ckpt's allowlist|allocate|range"):
+        call()  # a MemoryError or an OOM kill here would be the failure
+
+
+def test_unpickling_never_imports_a_module_a_file_names(ckpts):
+    import sys
+
+    ckpt = ckpts["torch_dist"]
+    sys.modules.pop("json.tool", None)
+    torch.save({"step": _ImportsAModule()}, ckpt / "common.pt")
+    (ckpt / "dist_ckpt_manifest.json").unlink()
+    sys.modules.pop("json.tool", None)
+    with pytest.raises(dist_ckpt.UnsafePickleError, match="json.tool"):
+        dist_ckpt.load_common_state_dict(ckpt)
+    assert "json.tool" not in sys.modules
+    # a module under a framework prefix is not imported either, unless it is one of the known enums
+    from megatron.core.dist_checkpointing.core import CheckpointingException as FrameworkClass
+
+    torch.save({"step": _Allocates(FrameworkClass, "not an enum")}, ckpt / "common.pt")
+    with pytest.raises(dist_ckpt.UnsafePickleError):
+        dist_ckpt.load_common_state_dict(ckpt)
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([-8, 8])), "invalid size"),
+    (lambda md: setattr(md.state_dict_metadata["w"], "size", torch.Size([1 << 40, 1 << 40])), "invalid size"),
+    (lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"), "not a torch.dtype"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([-1, 0])), "outside it"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", torch.Size([8])), "outside it"),
+    (lambda md: md.state_dict_metadata.__setitem__("x", 5), "metadata of type int"),
+], ids=["negative", "overflow", "dtype", "chunk-offset", "chunk-ndim", "item-type"])
+def test_every_tensor_metadata_field_is_checked(ckpts, change, fragment):
+    ckpt = ckpts["torch_dist"]
+    _rewrite_dcp_metadata(ckpt, change)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(fragment)):
+        dist_ckpt.load_plain_tensors(ckpt)
+
+
+@pytest.mark.parametrize("name,limit_attr", [
+    ("metadata.json", "dist_ckpt.core.MAX_CONFIG_BYTES"),
+    (".metadata", "dist_ckpt.strategies.dcp_io.MAX_DCP_METADATA_BYTES"),
+    ("dist_ckpt_manifest.json", "dist_ckpt.integrity._MAX_MANIFEST_BYTES"),
+])
+def test_index_files_are_size_checked_before_they_are_read(ckpts, monkeypatch, name, limit_attr):
+    """A sparse file of 64 GiB: refused by its size (stat), never read into memory."""
+    ckpt = ckpts["torch_dist"]
+    with open(ckpt / name, "r+b") as f:
+        f.truncate(64 << 30)
+    read = Path.read_bytes
+
+    def guarded(self):
+        assert self.name != name, f"{name} was read"
+        return read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", guarded)
+    with pytest.raises(CorruptCheckpointError, match="bytes"):
+        dist_ckpt.load_plain_tensors(ckpt)
+
+
+def test_trusted_unpickling_applies_to_the_calling_thread_only(ckpts):
+    import threading
+
+    ckpt = ckpts["torch_dist"]
+    torch.save({"step": _ImportsAModule()}, ckpt / "common.pt")
+    (ckpt / "dist_ckpt_manifest.json").unlink()
+    outcome = []
+
+    def other_thread():
+        try:
+            dist_ckpt.load_common_state_dict(ckpt)
+            outcome.append("loaded")
+        except dist_ckpt.UnsafePickleError:
+            outcome.append("refused")
+
+    with dist_ckpt.trusted_unpickling():
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        assert dist_ckpt.safe_unpickle.is_trusted_unpickling()
+    assert outcome == ["refused"]
+
+
+def test_remove_sharded_tensors_is_crash_consistent_and_locked(ckpts, monkeypatch):
+    import dist_ckpt.commit as commit_mod
+    import dist_ckpt.strategies.torch_dist as torch_dist
+
+    ckpt = ckpts["torch_dist"]
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", W.clone()),
+                    "v": ShardedTensor.from_rank_offsets("v", torch.ones(3)), "step": 3}, ckpt)
+    (ckpt / "notes.txt").write_text("kept")
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    # 1. a failure midway (after .metadata was rewritten in the working copy): nothing changed
+    original = torch_dist.update_manifest
+
+    def fail(*a, **k):
+        original(*a, **k)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(torch_dist, "update_manifest", fail)
+    with pytest.raises(OSError):
+        dist_ckpt.remove_sharded_tensors(ckpt, "v")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
+    monkeypatch.setattr(torch_dist, "update_manifest", original)
+    # 2. another save holds the lock: refused
+    lock = commit_mod.SaveLock(ckpt)
+    try:
+        with pytest.raises(commit_mod.ConcurrentSaveError):
+            dist_ckpt.remove_sharded_tensors(ckpt, "v")
+    finally:
+        lock.release()
+    # 3. done: v is gone, w and the foreign file stay, the checkpoint validates
+    dist_ckpt.remove_sharded_tensors(ckpt, "v")
+    assert sorted(dist_ckpt.load_plain_tensors(ckpt)) == ["w"]
+    assert (ckpt / "notes.txt").read_text() == "kept"
+    assert validate_checkpoint(ckpt).ok
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == sorted(["torch_dist", "zarr"])
+
+
+def test_zarray_files_are_fsynced(tmp_path, monkeypatch):
+    import dist_ckpt.strategies.zarr as zarr_mod
+
+    synced = []
+    original = zarr_mod.fsync_path
+    monkeypatch.setattr(zarr_mod, "fsync_path", lambda p: (synced.append(Path(p).name), original(p)))
+    _save(tmp_path / "z", "zarr")
+    assert ".zarray" in synced
+
+
+def test_manifest_scales_to_a_million_entries(tmp_path):
+    from dist_ckpt.integrity import ManifestEntry, load_manifest, write_manifest
+
+    entries = [ManifestEntry(f"__{i % 4096}_0.distcp", (i // 4096) * 64, 64, f"{i:016x}", f"layer.{i}")
+               for i in range(1_000_000)]
+    write_manifest(tmp_path, entries)
+    manifest = load_manifest(tmp_path)
+    assert len(manifest.entries) == 1_000_000
+    assert manifest.lookup("__7_0.distcp", 64 * 3).hash == f"{3 * 4096 + 7:016x}"

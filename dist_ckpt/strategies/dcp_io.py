@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import pickle
 import threading
@@ -22,7 +23,7 @@ from typing import Any, Callable, Dict, List, Tuple, Union
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DCP_METADATA_FNAME", "DCP_FORMAT_VERSION", "write_dcp_files", "write_dcp_metadata", "DcpReader"]
 
 DCP_METADATA_FNAME = ".metadata"
+MAX_DCP_METADATA_BYTES = 8 << 30  # far above the index of any real model; checked with stat
 DCP_FORMAT_VERSION = "1.0.0"  # what DCP (and Megatron-Core) record in Metadata.version
 
 ItemData = Union[torch.Tensor, io.BytesIO]
@@ -124,6 +126,41 @@ def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[W
     fsync_directory(checkpoint_dir)
 
 
+_MAX_COUNT = 1 << 62  # no tensor has more elements (or a larger dimension) than this
+
+
+def _is_dim(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_COUNT
+
+
+def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
+    """Every field of an item's metadata, before anything is sized from it: a non-dtype,
+    negative or overflowing sizes, chunks outside the tensor are our error, naming the key."""
+    if not isinstance(key, str):
+        raise CorruptCheckpointError(f"{path}: an item key is not a string ({type(key).__name__})")
+    if isinstance(md, BytesStorageMetadata):
+        return
+    if not isinstance(md, TensorStorageMetadata):
+        raise CorruptCheckpointError(f"{path}: item '{key}' has metadata of type {type(md).__name__}")
+    dtype = getattr(getattr(md, "properties", None), "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpointError(f"{path}: tensor '{key}' has dtype {dtype!r}, not a torch.dtype")
+    size = md.size
+    if not isinstance(size, (tuple, list)) or not all(_is_dim(n) for n in size) or math.prod(size) >= _MAX_COUNT:
+        raise CorruptCheckpointError(f"{path}: tensor '{key}' has an invalid size {str(size)[:100]}")
+    if not isinstance(md.chunks, list):
+        raise CorruptCheckpointError(f"{path}: tensor '{key}' has no list of chunks")
+    for chunk in md.chunks:
+        offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
+        if (not isinstance(offsets, (tuple, list)) or not isinstance(sizes, (tuple, list))
+                or len(offsets) != len(size) or len(sizes) != len(size)
+                or not all(_is_dim(o) and _is_dim(n) and o + n <= d for o, n, d in zip(offsets, sizes, size))):
+            raise CorruptCheckpointError(
+                f"{path}: tensor '{key}' (size {tuple(size)}) has a chunk at offsets {str(offsets)[:60]} with sizes "
+                f"{str(sizes)[:60]} outside it"
+            )
+
+
 class DcpReader(FileSystemReader):
     """DCP's reader with the allowlisted unpickler, checksum verification and checked offsets,
     sizes and file names."""
@@ -132,6 +169,11 @@ class DcpReader(FileSystemReader):
         path = Path(self.path) / DCP_METADATA_FNAME
         if not path.is_file():
             raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint")
+        size = path.stat().st_size  # before reading: a file of any size is not read whole
+        if size > MAX_DCP_METADATA_BYTES:
+            raise CorruptCheckpointError(
+                f"{path} is {size} bytes, more than the {MAX_DCP_METADATA_BYTES} a DCP index of any real model takes"
+            )
         content = path.read_bytes()
         verify_bytes(self.path, DCP_METADATA_FNAME, 0, content, what="the DCP index")
         metadata = safe_pickle_load(io.BytesIO(content), what=str(path))
@@ -139,6 +181,8 @@ class DcpReader(FileSystemReader):
             raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
         if not isinstance(metadata.storage_data, dict):
             raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
+        for key, item_md in metadata.state_dict_metadata.items():
+            _validate_item_metadata(path, key, item_md)
         for index, info in metadata.storage_data.items():
             name = getattr(info, "relative_path", None)
             if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):

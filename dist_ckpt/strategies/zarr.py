@@ -157,7 +157,10 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             overwrite=True,
         )
         (path / ".zattrs").unlink(missing_ok=True)  # empty; Megatron-Core's layout has none
+        fsync_path(path / ZARRAY)  # the array's metadata is durable before the commit, like the chunks
         fsync_directory(path)
+        if path.parent != path:
+            fsync_directory(path.parent)  # keys with '/' nest directories
 
     @staticmethod
     def _write_shards(checkpoint_dir: Path, main: List[ShardedTensor], recorder: Recorder) -> None:
