@@ -31,6 +31,8 @@ from .mapping import (
     is_main_replica,
 )
 from .safe_unpickle import add_safe_globals, trusted_unpickling
+# Megatron-Core's submodules at Megatron-Core's paths (``dist_ckpt.utils``, ``dist_ckpt.optimizer``, ...).
+from . import dict_utils, exchange_utils, optimizer, state_dict_utils, utils, validation  # noqa: E402,F401
 from .serialization import (
     check_is_distributed_checkpoint,
     load,

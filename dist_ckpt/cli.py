@@ -60,7 +60,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             convert_checkpoint(args.src, args.dst, args.backend, args.version)
             print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
         elif args.command == "validate":
-            from .validate import validate_checkpoint
+            from .checkpoint_check import validate_checkpoint
 
             report = validate_checkpoint(args.directory)
             for warning in report.warnings:

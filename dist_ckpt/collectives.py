@@ -11,7 +11,6 @@ Works without a process group (one process): collectives become identities.
 
 from __future__ import annotations
 
-import logging
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, TypeVar
@@ -22,8 +21,6 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .core import CheckpointingException
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size"]
 

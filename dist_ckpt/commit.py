@@ -42,13 +42,19 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Set
+from typing import Any, List, Optional, Set, Union
 
-from .core import CONFIG_FNAME, CheckpointExistsError, fsync_directory
+from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, config_bytes, save_config
+
+PathLike = Union[str, os.PathLike]
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "fsync_path",
+    "fsync_directory",
+    "atomic_write_bytes",
+    "commit_staged",
     "ConcurrentSaveError",
     "SaveLock",
     "StagedSave",
@@ -61,6 +67,34 @@ __all__ = [
     "clean",
     "recover",
 ]
+
+# -- durability helpers: the only places that fsync and rename for atomicity ------------------
+
+
+def fsync_path(path: PathLike) -> None:
+    """Make a file's content, or a directory's entries (new or renamed files), durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+fsync_directory = fsync_path  # the name that says why at the call sites that fsync a directory
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_directory(path.parent)
+
+
 
 STAGING_MARK = ".dist_ckpt-staging-"
 OLD_MARK = ".dist_ckpt-old-"
@@ -453,3 +487,14 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
         lock.release()
         raise
     return StagedSave(target, staging, overwrite, lock)
+
+
+def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: "List[Any]") -> None:
+    """Coordinator: the manifest, then ``metadata.json`` (both hashed, in the manifest), then the
+    atomic commit of the staging directory onto the target."""
+    from .integrity import ManifestEntry, hash_bytes, write_manifest
+
+    content = config_bytes(config)
+    write_manifest(staged.staging, list(entries) + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
+    save_config(config, staged.staging)
+    staged.commit()

@@ -37,9 +37,6 @@ __all__ = [
     "config_bytes",
     "maybe_load_config",
     "check_is_distributed_checkpoint",
-    "fsync_directory",
-    "fsync_path",
-    "atomic_write_bytes",
 ]
 
 CONFIG_FNAME = "metadata.json"
@@ -127,30 +124,6 @@ class CheckpointingConfig:
                 )
 
 
-def fsync_path(path: PathLike) -> None:
-    """Make a file's content, or a directory's entries (new or renamed files), durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-fsync_directory = fsync_path  # the name that says why at the call sites that fsync a directory
-
-
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
 def config_bytes(config: CheckpointingConfig) -> bytes:
     """The exact content of ``metadata.json`` for ``config``."""
     return json.dumps(asdict(config)).encode()
@@ -158,6 +131,8 @@ def config_bytes(config: CheckpointingConfig) -> bytes:
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
     """Write ``metadata.json`` (durably, atomically): the last file of a checkpoint."""
+    from .commit import atomic_write_bytes  # commit builds on this module
+
     atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))
 
 

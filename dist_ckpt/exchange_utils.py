@@ -11,7 +11,6 @@ Shard identity: ``(key, global_offset, flattened range or None)``.
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, Hashable, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
@@ -20,8 +19,6 @@ import torch.distributed as dist
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "ShardDistribution",

@@ -19,13 +19,14 @@ import json
 import logging
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import xxhash
 
-from .core import CorruptCheckpointError, atomic_write_bytes
+from .commit import atomic_write_bytes
+from .core import CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 

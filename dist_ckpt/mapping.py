@@ -12,7 +12,6 @@ the key, raised where the mistake is made rather than as corrupt data later.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -22,8 +21,6 @@ import torch
 from .core import ShardingError
 from .dict_utils import dict_list_map_inplace
 from .geometry import Box, Piece
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "ReplicaId",

@@ -24,7 +24,6 @@ import contextvars
 import enum
 import importlib
 import io
-import logging
 import pathlib
 import pickle
 import re
@@ -37,8 +36,6 @@ import torch
 
 from .core import CorruptCheckpointError, UnsafePickleError
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
     "add_safe_globals",
     "get_safe_globals",
@@ -46,6 +43,7 @@ __all__ = [
     "is_trusted_unpickling",
     "safe_torch_load",
     "safe_pickle_load",
+    "plain_pickle_builtins",
 ]
 
 _lock = threading.Lock()
@@ -241,22 +239,11 @@ def _unsafe_globals(source: Union[str, pathlib.Path, IO[bytes]]) -> List[str]:
     return names
 
 
-def _plain_pickle_allowlist() -> Dict[str, Any]:
-    import torch.distributed.checkpoint.filesystem as dcp_fs
-    import torch.distributed.checkpoint.metadata as dcp_md
-    import torch.distributed.checkpoint.planner as dcp_planner
-
-    allowed: Dict[str, Any] = {}
-    for module in (dcp_md, dcp_planner):
-        for name in getattr(module, "__all__", None) or dir(module):
-            obj = getattr(module, name, None)
-            if isinstance(obj, type) and obj.__module__ == module.__name__:
-                allowed[f"{module.__name__}.{name}"] = obj
-    allowed["torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"] = dcp_md._MEM_FORMAT_ENCODING
-    allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
-    allowed["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
-    allowed["torch.Size"] = torch.Size
-    allowed["torch.serialization._get_layout"] = torch.serialization._get_layout
+def plain_pickle_builtins() -> Dict[str, Any]:
+    """Globals any plain pickle of metadata may use: torch sizes, dtypes and layouts, ordered
+    dicts, paths, and bounded builtins (no ``bytearray`` or ``range``: they would build objects
+    of any size a file asks for). Format modules add their own classes (``dcp_io``)."""
+    allowed: Dict[str, Any] = {"torch.Size": torch.Size, "torch.serialization._get_layout": torch.serialization._get_layout}
     for name in dir(torch):
         obj = getattr(torch, name, None)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
@@ -266,14 +253,10 @@ def _plain_pickle_allowlist() -> Dict[str, Any]:
         allowed[f"pathlib.{obj.__qualname__}"] = obj
     allowed["copyreg._reconstructor"] = _object_reconstructor
     allowed["builtins.object"] = object
-    # No bytearray or range: they would build objects of any size a file asks for.
     allowed["builtins.set"] = _bounded(set)
     allowed["builtins.frozenset"] = _bounded(frozenset)
     allowed["builtins.slice"] = slice
     allowed["builtins.complex"] = complex
-    # Placeholders Megatron-Core pickled into some .metadata files (its own "dummy" classes).
-    for name in ("MCoreMetadata", "MCoreSavePlan"):
-        allowed[f"megatron.core.dist_checkpointing.strategies.torch.{name}"] = _placeholder_class(name)
     return allowed
 
 
@@ -297,10 +280,6 @@ def _object_reconstructor(cls: type, base: type, state: Any) -> Any:
     return __import__("copyreg")._reconstructor(cls, base, state)
 
 
-def _placeholder_class(name: str) -> type:
-    return type(name, (), {"__module__": __name__})
-
-
 class _RestrictedUnpickler(pickle.Unpickler):
     def __init__(self, file: IO[bytes], allowed: Dict[str, Any]) -> None:
         super().__init__(file)
@@ -313,16 +292,13 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
 
 
-_plain_allowlist_cache: Dict[str, Any] = {}
-
-
-def safe_pickle_load(file: IO[bytes], what: str) -> Any:
-    """``pickle.load`` restricted to the allowlist; ``what`` names the file in errors."""
+def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any]) -> Any:
+    """``pickle.load`` that resolves only the globals in ``allowed`` (full name -> object) and
+    those of ``add_safe_globals``; ``what`` names the file in errors. Nothing else is imported
+    or called."""
     if is_trusted_unpickling():
         return pickle.load(file)
-    if not _plain_allowlist_cache:
-        _plain_allowlist_cache.update(_plain_pickle_allowlist())
-    allowed = dict(_plain_allowlist_cache)
+    allowed = dict(allowed)
     for entry in get_safe_globals():
         obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
         allowed.setdefault(name, obj)

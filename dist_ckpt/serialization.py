@@ -20,25 +20,17 @@ from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
-from .commit import StagedSave, begin_save, link_checkpoint_entries
+from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries
 from .core import (
-    CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
-    CheckpointNotFoundError,
     check_is_distributed_checkpoint,
-    config_bytes,
-    maybe_load_config,
-    save_config,
 )
 from .integrity import (
     ManifestEntry,
     forget_recorder,
-    hash_bytes,
     open_recorder,
     verification,
-    verify_bytes,
-    write_manifest,
 )
 from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .mapping import (
@@ -84,6 +76,7 @@ __all__ = [
     "verify_checkpoint_and_load_strategy",
     "compare_common_state_dicts",
     "commit_staged",
+    "SaveTransaction",
     "get_default_save_sharded_strategy",
     "get_default_save_common_strategy",
     "get_default_load_sharded_strategy",
@@ -210,14 +203,6 @@ def load_content_metadata(
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
-def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: List[ManifestEntry]) -> None:
-    """Coordinator: manifest, then metadata.json (both hashed), then the atomic rename."""
-    content = config_bytes(config)
-    write_manifest(staged.staging, entries + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
-    save_config(config, staged.staging)
-    staged.commit()
-
-
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -257,84 +242,142 @@ def save(
             until the new one is complete, then the two are swapped atomically: a crash at any
             instant leaves the old or the new checkpoint there, never a mix.
     """
-    dist = DistWrapper()
-    target = Path(os.path.abspath(checkpoint_dir))
-    sharded_strategy = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
-    common_strategy = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
-    if async_sharded_save and not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-        raise CheckpointingException(
-            f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded_strategy}"
-        )
-    # Factories run user code: a failure on one rank is raised on all of them.
-    sharded_part, common_state_dict, _ = dist.all_run(lambda: _split_state_dict(sharded_state_dict))
-    if content_metadata is not None:
-        common_state_dict[CONTENT_METADATA_KEY] = content_metadata
-    if validate_access_integrity and dist.world_size > 1:
-        compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)
+    return SaveTransaction(
+        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity,
+        async_sharded_save, preprocess_common_before_consistancy_check, content_metadata, overwrite,
+    ).run()
 
-    configs: List[CheckpointingConfig] = []
 
-    def local_metadata() -> Optional[List[ShardedBase]]:
-        # Built (and validated) on every rank inside the shared step: a failure reaches all.
-        configs.append(CheckpointingConfig(
-            sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
-        ))
-        if not validate_access_integrity:
-            return None
-        return [sh.without_data() for sh in nested_values(sharded_part)]
+class SaveTransaction:
+    """One save, collective on every rank. The protocol, in order:
 
-    staged: List[StagedSave] = []  # the coordinator's
+    1. validate - split the state dict (factories applied), compare every rank's common state
+       with rank 0's, build the checkpoint's config, gather every rank's shard metadata and
+       check the sharding on the coordinator: before a single byte is written;
+    2. stage - the coordinator takes the target's lock, recovers what interrupted saves left,
+       and creates a staging directory beside the target; every rank learns its path;
+    3. write - common state and objects (rank 0), then every rank's shards, into the staging
+       directory, durable (fsynced) when the step ends; or, asynchronously, staging copies and
+       an ``AsyncRequest`` that writes later (steps 4 and 5 are then its finalization);
+    4. gather - every rank's checksums reach the coordinator;
+    5. commit - the coordinator writes the manifest and ``metadata.json`` into the staging
+       directory and swaps it onto the target atomically, keeping other tools' files
+       (``commit.StagedSave.commit``).
 
-    def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> str:
-        if validate_access_integrity:
-            validate_sharding_integrity(global_metadata)  # before anything touches the disk
-        staged.append(begin_save(target, overwrite))
-        return str(staged[0].staging)
+    Every step shares its failures: an error on any rank is raised, identically, on every rank,
+    the staging directory is removed (``abort``), and the target keeps what it had.
+    """
 
-    staging = Path(dist.all_reduce(local_metadata, prepare))
-    open_recorder(staging)
+    def __init__(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: PathLike,
+                 sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None],
+                 common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None],
+                 validate_access_integrity: bool, async_sharded_save: bool,
+                 preprocess_common: Optional[Callable[[StateDict], StateDict]], content_metadata: Optional[dict],
+                 overwrite: Optional[bool]) -> None:
+        self.dist = DistWrapper()
+        self.state_dict = sharded_state_dict
+        self.target = Path(os.path.abspath(checkpoint_dir))
+        self.sharded_strategy = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
+        self.common_strategy = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
+        if async_sharded_save and not isinstance(self.sharded_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(
+                f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {self.sharded_strategy}"
+            )
+        self.validate_access_integrity = validate_access_integrity
+        self.async_sharded_save = async_sharded_save
+        self.preprocess_common = preprocess_common
+        self.content_metadata = content_metadata
+        self.overwrite = overwrite
+        self.staged: Optional[StagedSave] = None  # the coordinator's
+        self.staging: Optional[Path] = None
+        self.config: Optional[CheckpointingConfig] = None
 
-    def abort() -> None:
-        forget_recorder(staging)
-        if staged:
-            staged[0].abort()
+    def run(self) -> Optional[AsyncRequest]:
+        self.validate()
+        self.stage()
+        try:
+            request = self.write()
+            if request is not None:
+                request.add_finalize_fn(self.gather_and_commit)
+                request.add_cleanup_fn(self.abort)
+                return request
+            self.gather_and_commit()
+        except BaseException:
+            self.abort()
+            raise
+        return None
 
-    config = configs[0]
+    def validate(self) -> None:
+        """Step 1 (the sharding check itself runs on the coordinator in ``stage``'s collective)."""
+        dist = self.dist
+        # Factories run user code: a failure on one rank is raised on all of them.
+        self.sharded_part, self.common_state_dict, _ = dist.all_run(lambda: _split_state_dict(self.state_dict))
+        if self.content_metadata is not None:
+            self.common_state_dict[CONTENT_METADATA_KEY] = self.content_metadata
+        if self.validate_access_integrity and dist.world_size > 1:
+            compare_common_state_dicts(dist, self.common_state_dict, self.preprocess_common)
 
-    def commit() -> None:
-        entries = forget_recorder(staging)
+    def stage(self) -> None:
+        """Steps 1-2 in one collective: local metadata and config everywhere, the sharding check
+        and the staging directory on the coordinator."""
 
-        def finish(all_entries: List[List[ManifestEntry]]) -> None:
-            commit_staged(staged[0], config, [e for rank_entries in all_entries for e in rank_entries])
+        def local_metadata() -> Optional[List[ShardedBase]]:
+            # Built (and validated) on every rank inside the shared step: a failure reaches all.
+            self.config = CheckpointingConfig(
+                self.sharded_strategy.backend, self.sharded_strategy.version,
+                self.common_strategy.backend, self.common_strategy.version,
+            )
+            if not self.validate_access_integrity:
+                return None
+            return [sh.without_data() for sh in nested_values(self.sharded_part)]
 
-        dist.all_reduce(lambda: entries, finish)
+        def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> str:
+            if self.validate_access_integrity:
+                validate_sharding_integrity(global_metadata)  # before anything touches the disk
+            self.staged = begin_save(self.target, self.overwrite)
+            return str(self.staged.staging)
 
-    try:
-        if not sharded_strategy.can_handle_sharded_objects:
+        self.staging = Path(self.dist.all_reduce(local_metadata, prepare))
+        open_recorder(self.staging)
+
+    def write(self) -> Optional[AsyncRequest]:
+        """Step 3: common state and objects, then the shards (or the request that writes them)."""
+        staging = self.staging
+        sharded_part = self.sharded_part
+        if not self.sharded_strategy.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
         else:
             objects = {}
 
         def write_common() -> None:
-            common_strategy.save_common(common_state_dict, staging)
+            self.common_strategy.save_common(self.common_state_dict, staging)
             if objects:
-                common_strategy.save_sharded_objects(objects, staging)
+                self.common_strategy.save_sharded_objects(objects, staging)
 
-        dist.all_run(write_common)
-        if async_sharded_save:
-            request = sharded_strategy.async_save(sharded_part, staging)
-            request.add_finalize_fn(commit)
-            request.add_cleanup_fn(abort)
-            return request
-        if isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-            sharded_strategy.save(sharded_part, staging)  # its collectives share failures
+        self.dist.all_run(write_common)
+        if self.async_sharded_save:
+            return self.sharded_strategy.async_save(sharded_part, staging)
+        if isinstance(self.sharded_strategy, AsyncSaveShardedStrategy):
+            self.sharded_strategy.save(sharded_part, staging)  # its collectives share failures
         else:
-            dist.all_run(lambda: sharded_strategy.save(sharded_part, staging))
-        commit()
-    except BaseException:
-        abort()
-        raise
-    return None
+            self.dist.all_run(lambda: self.sharded_strategy.save(sharded_part, staging))
+        return None
+
+    def gather_and_commit(self) -> None:
+        """Steps 4-5: checksums to the coordinator, which commits."""
+        entries = forget_recorder(self.staging)
+
+        def finish(all_entries: List[List[ManifestEntry]]) -> None:
+            commit_staged(self.staged, self.config, [e for rank_entries in all_entries for e in rank_entries])
+
+        self.dist.all_reduce(lambda: entries, finish)
+
+    def abort(self) -> None:
+        """After a failure every rank knows of: forget the checksums, drop the staging directory."""
+        if self.staging is not None:
+            forget_recorder(self.staging)
+        if self.staged is not None:
+            self.staged.abort()
 
 
 def load(

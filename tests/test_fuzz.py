@@ -17,7 +17,8 @@ import dist_ckpt
 from dist_ckpt import CheckpointingException, ShardedTensor
 from dist_ckpt.core import CONFIG_FNAME, maybe_load_config
 from dist_ckpt.integrity import parse_manifest
-from dist_ckpt.safe_unpickle import safe_pickle_load, safe_torch_load
+from dist_ckpt.safe_unpickle import safe_torch_load
+from dist_ckpt.strategies.dcp_io import load_dcp_metadata_pickle
 from dist_ckpt.strategies.zarr_format import read_zarray
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -103,7 +104,7 @@ def test_damaged_pickles_never_escape_our_errors(dcp_metadata_bytes, data):
     cut = data.draw(st.integers(0, len(raw)))
     for blob in (bytes(raw), bytes(raw[:cut])):
         try:
-            safe_pickle_load(io.BytesIO(blob), ".metadata")
+            load_dcp_metadata_pickle(io.BytesIO(blob), ".metadata")
         except CheckpointingException:
             pass
         try:

@@ -15,7 +15,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import CheckpointingException, CorruptCheckpointError, ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.validate import validate_checkpoint
+from dist_ckpt.checkpoint_check import validate_checkpoint
 
 W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
 

@@ -1,10 +1,12 @@
-"""Strategy interfaces, the ``StrategyAction`` enum and the registry of strategies.
+"""The strategy interfaces and the ``StrategyAction`` enum (the registry is in ``registry``).
 
 Call order of a save (``dist_ckpt.save``), on every rank:
-  1. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (writes on rank 0 only);
+  1. ``SaveCommonStrategy.save_common(common_state_dict, dir)`` (writes on rank 0 only), then
+     ``save_sharded_objects`` if the sharded strategy cannot store objects;
   2. ``SaveShardedStrategy.save(sharded_state_dict, dir)`` - or, for an
      ``AsyncSaveShardedStrategy``, ``async_save(...)`` returning an ``AsyncRequest``;
-  3. the coordinator writes ``metadata.json`` (the commit), after every rank's data is durable.
+  3. the coordinator writes the manifest and ``metadata.json`` and commits, after every
+     rank's data is durable.
 
 Call order of a load (``dist_ckpt.load``), on every rank:
   1. ``check_backend_compatibility`` / ``check_version_compatibility`` with metadata.json;
@@ -13,27 +15,30 @@ Call order of a load (``dist_ckpt.load``), on every rank:
   4. ``LoadShardedStrategy.load(sharded_state_dict, dir)`` (and ``load_sharded_objects`` of
      the common strategy when the sharded one cannot handle objects).
 
-Strategies are found in a ``StrategyRegistry`` keyed by (action, backend, version).
+Contract for strategies that run collectives of their own (custom strategies read this):
+  * ``dist_ckpt`` wraps ``SaveShardedStrategy.save`` (of a strategy that is not an
+    ``AsyncSaveShardedStrategy``) and ``LoadShardedStrategy.load`` in a failure-sharing step: an
+    exception on one rank is raised on every rank afterwards. A strategy whose ``save``/``load``
+    calls collectives itself must not let one rank leave early: run every collective step
+    through ``dist_ckpt.collectives.DistWrapper`` (``all_run``, ``exchange``, ``all_reduce``,
+    ...), which raises the same error on every rank instead of leaving peers waiting;
+  * an ``AsyncSaveShardedStrategy`` is responsible for sharing its own failures (its
+    ``save``/``async_save`` are called directly, on every rank): staging copies and planning
+    included; the write itself may fail freely (the request reports it at finalization);
+  * nothing that a collective sends may fail to pickle on one rank only: compute it inside the
+    failure-sharing step.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import importlib.util
-import logging
-import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple, Union
+from typing import Iterable, List, Optional, Tuple
 
-from ..core import DuplicateStrategyError, StrategyCompatibilityError, UnknownStrategyError
+from ..core import StrategyCompatibilityError
 from ..mapping import ShardedStateDict, StateDict
 from .async_utils import AsyncRequest
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "StrategyAction",
@@ -45,6 +50,7 @@ __all__ = [
     "SaveCommonStrategy",
     "LoadCommonStrategy",
     "AsyncSaveShardedStrategy",
+    # Megatron-Core's base module also holds these; they live in ``registry``.
     "StrategyRegistry",
     "StrategyInfo",
     "ENTRY_POINT_GROUP",
@@ -135,7 +141,18 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        """Fill (or allocate) every ShardedTensor's data; returns the loaded state dict."""
+        """Step 4 of a load, on every rank (inside a failure-sharing step).
+
+        Args:
+            sharded_state_dict: this rank's request: ShardedTensors (any layout; flattened ranges
+                included) and, if ``can_handle_sharded_objects``, ShardedObjects; lists as
+                ``{index: value}`` dicts.
+            checkpoint_dir: the committed checkpoint.
+        Returns:
+            The same structure with every ShardedTensor replaced by its tensor (the request's
+            ``data``, filled in place, or a new CPU tensor if it had none) and every object by
+            its value. Raises a ``CheckpointingException`` naming the key or file on bad input.
+        """
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
@@ -177,7 +194,17 @@ class SaveShardedStrategy(SaveStrategyBase):
 
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        """Collective; data is durable on return (not yet committed: metadata.json follows)."""
+        """Step 2 of a save, on every rank.
+
+        Args:
+            sharded_state_dict: this rank's ShardedTensors (and objects, if
+                ``can_handle_sharded_objects``); only main replicas (``replica_id`` 0) are written.
+            checkpoint_dir: the staging directory (never the target itself).
+        Returns:
+            None, once this rank's files are durable (fsynced). Nothing is committed yet: the
+            coordinator writes ``metadata.json`` after every rank returned. Record checksums with
+            ``integrity.recorder_for(checkpoint_dir)`` to have them in the manifest.
+        """
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One process writes a checkpoint batch by batch, holding one batch at a time (used
@@ -193,220 +220,29 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
 
     @abstractmethod
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
-        """Collective planning and staging; the returned request writes and finalizes."""
+        """Step 2 of an asynchronous save, on every rank.
+
+        Args:
+            sharded_state_dict, checkpoint_dir: as for ``save``.
+        Returns:
+            An ``AsyncRequest`` whose ``async_fn`` writes the staged bytes (in a thread, or in the
+            persistent writer process if it pickles) and whose finalize functions (collective)
+            complete the data; planning and staging copies happen before this returns, with
+            their failures shared by all ranks, so training may change its tensors at once.
+        """
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
 
-# -- registry ------------------------------------------------------------------------------
-
-RegistryKey = Tuple[StrategyAction, str, int]
-ENTRY_POINT_GROUP = "dist_ckpt.strategies"
-
-
-@dataclass(frozen=True)
-class _Builtin:
-    """A built-in strategy, imported only when first asked for."""
-
-    module: str
-    class_name: str
-    extra: Optional[str] = None  # pip extra that installs what it needs
-    requires: Tuple[str, ...] = ()  # top-level modules it imports
-
-
-_BUILTINS: Dict[RegistryKey, _Builtin] = {
-    (StrategyAction.SAVE_SHARDED, "torch_dist", 1): _Builtin("dist_ckpt.strategies.torch_dist", "TorchDistSaveShardedStrategy"),
-    (StrategyAction.LOAD_SHARDED, "torch_dist", 1): _Builtin("dist_ckpt.strategies.torch_dist", "TorchDistLoadShardedStrategy"),
-    (StrategyAction.SAVE_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common", "TorchCommonSaveStrategy"),
-    (StrategyAction.LOAD_COMMON, "torch", 1): _Builtin("dist_ckpt.strategies.common", "TorchCommonLoadStrategy"),
-    (StrategyAction.SAVE_SHARDED, "zarr", 1): _Builtin(
-        "dist_ckpt.strategies.zarr", "ZarrSaveShardedStrategy", "zarr", ("zarr", "ml_dtypes")
-    ),
-    (StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin(
-        "dist_ckpt.strategies.tensorstore", "TensorStoreLoadShardedStrategy", "tensorstore", ("tensorstore", "ml_dtypes")
-    ),
-}
-
-
-@dataclass(frozen=True)
-class StrategyInfo:
-    """One row of ``StrategyRegistry.available()``."""
-
-    action: StrategyAction
-    backend: str
-    version: int
-    source: str  # "user", "builtin" or "entry point <name>"
-    importable: bool  # False: its library is missing (see ``extra``)
-    extra: Optional[str] = None
-
-    def __str__(self) -> str:
-        state = "ok" if self.importable else f"missing library: pip install 'dist_ckpt[{self.extra}]'"
-        return f"{self.action.value:13s} {self.backend:12s} v{self.version}  {self.source:22s} {state}"
-
-
-def _action(action: Union[StrategyAction, str]) -> StrategyAction:
-    if isinstance(action, StrategyAction):
-        return action
-    try:
-        return StrategyAction(action)
-    except ValueError:
-        raise UnknownStrategyError(
-            f"Unknown strategy action {action!r}; use one of {[a.value for a in StrategyAction]}"
-        ) from None
-
-
-def _importable(modules: Tuple[str, ...]) -> bool:
-    try:
-        return all(importlib.util.find_spec(m) is not None for m in modules)
-    except (ImportError, ValueError):  # ValueError: a module blocked in sys.modules
-        return False
-
-
-class StrategyRegistry:
-    """Strategies by (action, backend, version).
-
-    Lookup order of ``get``: entries registered on this registry (by users, or earlier by
-    the lazily added built-ins and entry points); then built-ins, imported and added the
-    first time their key is asked for; then third-party strategies from the entry-point
-    group ``dist_ckpt.strategies`` (each entry point is a callable taking the registry).
-    ``register`` refuses to replace an entry unless ``override=True``; nothing lazily added
-    ever replaces an entry a user registered.
-    """
-
-    def __init__(self, builtins: Optional[Dict[RegistryKey, _Builtin]] = None, load_entry_points: bool = True) -> None:
-        self._entries: Dict[RegistryKey, StrategyBase] = {}
-        self._sources: Dict[RegistryKey, str] = {}
-        self._builtins = dict(_BUILTINS if builtins is None else builtins)
-        self._load_entry_points = load_entry_points
-        self._entry_points_loaded = False
-        self._loading_source: Optional[str] = None
-        self._lock = threading.RLock()
-
-    def register(
-        self,
-        action: Union[StrategyAction, str],
-        backend: str,
-        version: int,
-        strategy: StrategyBase,
-        *,
-        override: bool = False,
-    ) -> None:
-        key = (_action(action), backend, version)
-        if not isinstance(backend, str) or not backend or not isinstance(version, int) or isinstance(version, bool):
-            raise UnknownStrategyError(f"A strategy key needs a backend name and an int version, got {backend!r}, {version!r}")
-        if not isinstance(strategy, StrategyBase):
-            raise UnknownStrategyError(f"Only strategy objects can be registered, got {type(strategy).__name__}")
-        with self._lock:
-            if key in self._entries and not override:
-                raise DuplicateStrategyError(
-                    f"A strategy is already registered for {key[0].value} {backend} v{version} "
-                    f"({self._entries[key]}); pass override=True to replace it"
-                )
-            self._entries[key] = strategy
-            self._sources[key] = self._loading_source or "user"
-
-    def get(self, action: Union[StrategyAction, str], backend: str, version: int) -> StrategyBase:
-        key = (_action(action), backend, version)
-        with self._lock:
-            if key not in self._entries and key in self._builtins:
-                self._entries[key] = self._load_builtin(key)
-                self._sources[key] = "builtin"
-            if key not in self._entries:
-                self._load_plugins()
-            if key in self._entries:
-                return self._entries[key]
-        known = sorted(f"{a.value} {b} v{v}" for a, b, v in self.keys())
-        raise UnknownStrategyError(
-            f"No strategy registered for {key[0].value} backend '{backend}' version {version}. "
-            f"Registered: {known}. Register one with dist_ckpt.register_default_strategy(...)."
-        )
-
-    def _load_builtin(self, key: RegistryKey) -> StrategyBase:
-        builtin = self._builtins[key]
-        try:
-            module = importlib.import_module(builtin.module)
-        except ImportError as e:
-            hint = f"; install it with: pip install 'dist_ckpt[{builtin.extra}]'" if builtin.extra else ""
-            raise UnknownStrategyError(
-                f"The strategy for {key[0].value} {key[1]} v{key[2]} needs a library that is not "
-                f"installed ({e}){hint}"
-            ) from e
-        return getattr(module, builtin.class_name)()
-
-    def _load_plugins(self) -> None:
-        """Let every entry point of the group register its strategies (once)."""
-        if self._entry_points_loaded or not self._load_entry_points:
-            return
-        self._entry_points_loaded = True
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            self._loading_source = f"entry point {ep.name}"
-            try:
-                ep.load()(self)
-            except DuplicateStrategyError as e:
-                logger.info("entry point %s: %s (kept the existing entry)", ep.name, e)
-            except Exception as e:  # noqa: BLE001 - a broken plugin must not break others
-                logger.warning("dist_ckpt strategy entry point %r failed to load: %s", ep.name, e)
-            finally:
-                self._loading_source = None
-
-    def keys(self) -> List[RegistryKey]:
-        with self._lock:
-            return sorted(set(self._entries) | set(self._builtins), key=lambda k: (k[0].value, k[1], k[2]))
-
-    def available(self) -> List[StrategyInfo]:
-        """Every registered (action, backend, version), where it comes from, and whether the
-        library it needs is importable (without importing anything)."""
-        with self._lock:
-            self._load_plugins()
-            rows = []
-            for key in self.keys():
-                if key in self._entries:
-                    rows.append(StrategyInfo(*key, self._sources.get(key, "user"), True))
-                else:
-                    builtin = self._builtins[key]
-                    rows.append(StrategyInfo(*key, "builtin", _importable(builtin.requires), builtin.extra))
-            return rows
-
-
-default_registry = StrategyRegistry()
-
-
-def list_strategies() -> List[StrategyInfo]:
-    """The default registry's strategies and whether their libraries are installed."""
-    return default_registry.available()
-
-
-def register_default_strategy(
-    action: Union[StrategyAction, str], backend: str, version: int, strategy: StrategyBase
-) -> None:
-    """Make ``strategy`` the default for (action, backend, version), replacing any previous
-    one (Megatron-Core's meaning: users tune the default this way)."""
-    default_registry.register(action, backend, version, strategy, override=True)
-
-
-def get_default_strategy(action: Union[StrategyAction, str], backend: str, version: int) -> StrategyBase:
-    """The default strategy for (action, backend, version)."""
-    return default_registry.get(action, backend, version)
-
-
-def resolve_strategy(
-    action: StrategyAction,
-    strategy: Union[StrategyBase, Tuple[str, int], None],
-    default_key: Optional[Tuple[str, int]],
-) -> StrategyBase:
-    """The one place a strategy argument (object, (backend, version) tuple or None) becomes
-    a strategy object; None means ``default_key``."""
-    if strategy is None:
-        if default_key is None:
-            raise UnknownStrategyError(f"No strategy given for {action.value} and no default to use")
-        return get_default_strategy(action, *default_key)
-    if isinstance(strategy, tuple):
-        if len(strategy) != 2 or not isinstance(strategy[0], str) or not isinstance(strategy[1], int):
-            raise UnknownStrategyError(f"A strategy tuple must be (backend: str, version: int), got {strategy!r}")
-        return get_default_strategy(action, *strategy)
-    if not isinstance(strategy, StrategyBase):
-        raise UnknownStrategyError(
-            f"{action.value} strategy must be a strategy object or a (backend, version) tuple, got {type(strategy)}"
-        )
-    return strategy
+# Megatron-Core's names at Megatron-Core's path (imported last: the registry needs the classes above).
+from .registry import (  # noqa: E402
+    ENTRY_POINT_GROUP,
+    StrategyInfo,
+    StrategyRegistry,
+    default_registry,
+    get_default_strategy,
+    list_strategies,
+    register_default_strategy,
+    resolve_strategy,
+)

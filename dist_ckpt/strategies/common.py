@@ -8,21 +8,19 @@ load goes through the safe unpickler (see ``dist_ckpt.safe_unpickle``).
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 
 from ..collectives import get_rank
-from ..core import CheckpointNotFoundError, CorruptCheckpointError, fsync_directory
+from ..commit import fsync_directory
+from ..core import CheckpointNotFoundError, CorruptCheckpointError
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..integrity import HashingWriter, read_verified, recorder_for
 from ..safe_unpickle import safe_torch_load
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "COMMON_STATE_FNAME",

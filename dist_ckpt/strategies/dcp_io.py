@@ -12,7 +12,6 @@ its stream transforms but replaces unpickling and item reads with checked versio
 from __future__ import annotations
 
 import io
-import logging
 import math
 import os
 import pickle
@@ -27,13 +26,19 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..core import CheckpointNotFoundError, CorruptCheckpointError, atomic_write_bytes, fsync_directory
+from ..commit import atomic_write_bytes, fsync_directory
+from ..core import CheckpointNotFoundError, CorruptCheckpointError
 from ..integrity import HashingWriter, Recorder, hash_bytes, verify_bytes
-from ..safe_unpickle import safe_pickle_load, safe_torch_load
+from ..safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["DCP_METADATA_FNAME", "DCP_FORMAT_VERSION", "write_dcp_files", "write_dcp_metadata", "DcpReader"]
+__all__ = [
+    "DCP_METADATA_FNAME",
+    "DCP_FORMAT_VERSION",
+    "write_dcp_files",
+    "write_dcp_metadata",
+    "DcpReader",
+    "load_dcp_metadata_pickle",
+]
 
 DCP_METADATA_FNAME = ".metadata"
 MAX_DCP_METADATA_BYTES = 8 << 30  # far above the index of any real model; checked with stat
@@ -126,6 +131,41 @@ def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[W
     fsync_directory(checkpoint_dir)
 
 
+_dcp_allowlist: Dict[str, Any] = {}
+
+
+def _dcp_metadata_allowlist() -> Dict[str, Any]:
+    """What a DCP ``.metadata`` pickle may reference: DCP's metadata and planner classes, their
+    storage records, Megatron-Core's placeholder classes, and the plain builtins. Built once."""
+    if _dcp_allowlist:
+        return _dcp_allowlist
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch.distributed.checkpoint.metadata as dcp_md
+    import torch.distributed.checkpoint.planner as dcp_planner
+
+    from .torch import MCoreMetadata, MCoreSavePlan
+
+    allowed = plain_pickle_builtins()
+    for module in (dcp_md, dcp_planner):
+        for name in getattr(module, "__all__", None) or dir(module):
+            obj = getattr(module, name, None)
+            if isinstance(obj, type) and obj.__module__ == module.__name__:
+                allowed[f"{module.__name__}.{name}"] = obj
+    allowed["torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"] = dcp_md._MEM_FORMAT_ENCODING
+    allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
+    allowed["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
+    # Megatron-Core pickled its own (empty) classes of these names into some .metadata files.
+    for cls in (MCoreMetadata, MCoreSavePlan):
+        allowed[f"megatron.core.dist_checkpointing.strategies.torch.{cls.__name__}"] = cls
+    _dcp_allowlist.update(allowed)
+    return _dcp_allowlist
+
+
+def load_dcp_metadata_pickle(file: Any, what: str) -> Any:
+    """Unpickle a DCP ``.metadata`` with the allowlist above (nothing else imported or called)."""
+    return safe_pickle_load(file, what, _dcp_metadata_allowlist())
+
+
 _MAX_COUNT = 1 << 62  # no tensor has more elements (or a larger dimension) than this
 
 
@@ -176,7 +216,7 @@ class DcpReader(FileSystemReader):
             )
         content = path.read_bytes()
         verify_bytes(self.path, DCP_METADATA_FNAME, 0, content, what="the DCP index")
-        metadata = safe_pickle_load(io.BytesIO(content), what=str(path))
+        metadata = load_dcp_metadata_pickle(io.BytesIO(content), what=str(path))
         if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
             raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
         if not isinstance(metadata.storage_data, dict):

@@ -12,7 +12,6 @@ Both wrap any strategy of the registry and change nothing on disk.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -30,8 +29,6 @@ from ..exchange_utils import (
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "FullyParallelSaveStrategyWrapper",

@@ -39,9 +39,8 @@ from ..core import (
     CorruptCheckpointError,
     KeyMismatchError,
     ShardingError,
-    atomic_write_bytes,
-    fsync_directory,
 )
+from ..commit import atomic_write_bytes, fsync_directory
 from ..geometry import find_overlap
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest

@@ -15,7 +15,6 @@ Save call order (every rank, collective):
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from functools import reduce
@@ -30,7 +29,8 @@ from zarr.core.dtype import DataTypeValidationError, data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
 from ..collectives import DistWrapper
-from ..core import ShardingError, fsync_directory, fsync_path
+from ..commit import fsync_directory, fsync_path
+from ..core import ShardingError
 from ..dict_utils import nested_values
 from ..geometry import Box
 from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
@@ -45,8 +45,6 @@ from .zarr_format import (
     chunk_regions,
     torch_to_numpy,
 )
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["BFloat16", "ZarrSaveShardedStrategy", "ZarrLoadShardedStrategy"]
 

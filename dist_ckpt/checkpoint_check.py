@@ -1,4 +1,7 @@
-"""``dist-ckpt validate``: check a whole checkpoint without loading it into a model.
+"""``dist-ckpt validate``: check a whole checkpoint on disk without loading it into a model.
+
+(Not to be confused with ``validation``, Megatron-Core's module that checks sharded state dicts
+of the running job against each other and against a checkpoint.)
 
 Three passes, each collecting problems instead of stopping at the first:
   1. structure: metadata.json, the strategies it names, the manifest, common.pt, object files,
@@ -38,7 +41,7 @@ class ValidationReport:
 
 
 def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike]) -> ValidationReport:
-    from .serialization import verify_checkpoint_and_load_strategy
+    from .validation import verify_checkpoint_and_load_strategy
 
     directory = Path(checkpoint_dir)
     report = ValidationReport(directory)
