@@ -125,6 +125,7 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank_at_once(tmp_path, case):
     outcomes = run_processes(_save_with_failure, 2, ckpt, case, collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
     assert all(o.exitcode == 0 for o in outcomes), outcomes
     results = [o.result for o in outcomes]
+    print(f"\n{case}: " + ", ".join(f"rank {o.rank} raised {o.result[0]} after {o.result[3]:.2f} s" for o in outcomes))
     for name, ours, message, seconds in results:
         assert name != "ok" and ours, results
         assert CASES[case] in message, results
