@@ -162,3 +162,14 @@ def test_persistent_writer_is_reused_across_saves(tmp_path):
     finally:
         queue.close()
     assert len(set(pids)) == 1 and pids[0] != os.getpid()
+
+
+def test_a_write_function_that_does_not_pickle_is_an_error_at_finalization(tmp_path):
+    request = dist_ckpt.AsyncRequest(lambda: None, (), [])
+    queue = dist_ckpt.AsyncCallsQueue(persistent=True)
+    try:
+        queue.schedule_async_request(request)
+        with pytest.raises(dist_ckpt.CheckpointingException, match="needs a picklable write function"):
+            queue.maybe_finalize_async_calls(blocking=True)
+    finally:
+        queue.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue as queue_module
 import signal
 import threading
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch.multiprocessing as torch_mp
+from multiprocessing.reduction import ForkingPickler
 
 from ..collectives import DistWrapper
 from ..core import CheckpointingException
@@ -198,8 +200,9 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
             continue
         if job is None:
             return
-        idx, fn, args = job
+        idx, payload = job
         try:
+            fn, args = pickle.loads(payload)
             results.put((idx, "ok", fn(*args)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
             results.put((idx, "error", f"{type(e).__name__}: {e}"))
@@ -246,10 +249,20 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ensure_process()
         token = self._next
         self._next += 1
-        self._pending[token] = (request, time.monotonic())
         request.call_idx = token if request.call_idx is None else request.call_idx
-        self._jobs.put((token, request.async_fn, request.async_fn_args))
         request._caller_token = token  # type: ignore[attr-defined]
+        try:
+            # Pickled here, not in the queue's feeder thread: an async_fn that does not pickle is
+            # this request's error (reported on every rank at finalization), not a silent loss.
+            # CPU tensors travel as shared-memory handles (torch's reductions), not bytes.
+            payload = ForkingPickler.dumps((request.async_fn, request.async_fn_args))
+        except Exception as e:  # noqa: BLE001
+            request.async_error = CheckpointingException(
+                f"the persistent checkpoint writer needs a picklable write function: {type(e).__name__}: {e}"
+            )
+            return
+        self._pending[token] = (request, time.monotonic())
+        self._jobs.put((token, bytes(payload)))
 
     def _collect(self, wait_s: float) -> None:
         try:
