@@ -173,3 +173,29 @@ def test_a_write_function_that_does_not_pickle_is_an_error_at_finalization(tmp_p
             queue.maybe_finalize_async_calls(blocking=True)
     finally:
         queue.close()
+
+
+def _write_value(path, value, scale=1):
+    with open(path, "w") as f:
+        f.write(str(value * scale))
+
+
+def test_async_request_fields_of_megatron_core(tmp_path):
+    """async_fn_kwargs, and preload_fn run on the scheduling thread into async_fn_args[1]."""
+    import threading
+
+    seen = []
+    for persistent in (False, True):
+        target = tmp_path / f"out_{persistent}"
+        request = dist_ckpt.AsyncRequest(
+            _write_value, (str(target), None), [lambda: seen.append("finalized")], async_fn_kwargs={"scale": 3},
+            preload_fn=lambda: (seen.append(threading.current_thread() is threading.main_thread()), 7)[1],
+        )
+        queue = dist_ckpt.AsyncCallsQueue(persistent=persistent)
+        try:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+        finally:
+            queue.close()
+        assert target.read_text() == "21"
+    assert seen == [True, "finalized", True, "finalized"]

@@ -61,6 +61,10 @@ class AsyncRequest:
     async_fn: Optional[Callable[..., Any]]
     async_fn_args: Tuple[Any, ...]
     finalize_fns: List[Callable[[], None]]
+    # Megatron-Core's fields, same order: keyword arguments of async_fn, and a staging step run
+    # on the scheduling (main) thread whose result replaces async_fn_args[1].
+    async_fn_kwargs: Dict[str, Any] = field(default_factory=dict)
+    preload_fn: Optional[Callable[[], Any]] = None
     is_frozen: bool = False
     async_error: Optional[BaseException] = field(default=None, repr=False)
     cleanup_fns: List[Callable[[], None]] = field(default_factory=list)
@@ -83,12 +87,25 @@ class AsyncRequest:
         self.is_frozen = True
         return self
 
+    def preload(self) -> None:
+        """Run ``preload_fn`` (once, on the calling thread) into ``async_fn_args[1]``; its failure
+        is kept for the collective finalization, like a failed write."""
+        if self.preload_fn is None or self.async_error is not None:
+            return
+        preload, self.preload_fn = self.preload_fn, None
+        try:
+            args = list(self.async_fn_args)
+            args[1] = preload()
+            self.async_fn_args = tuple(args)
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank by finalize()
+            self.async_error = exc
+
     def run_async_fn(self) -> None:
         """Run the write, keeping (not raising) its error for the collective finalization."""
-        if self.async_fn is None:
+        if self.async_fn is None or self.async_error is not None:
             return
         try:
-            self.async_result = self.async_fn(*self.async_fn_args)
+            self.async_result = self.async_fn(*self.async_fn_args, **self.async_fn_kwargs)
         except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is one; finalize() reports it
             logger.debug("checkpoint write failed", exc_info=True)
             self.async_error = exc
@@ -116,6 +133,7 @@ class AsyncRequest:
 
     def execute_sync(self, dist_wrapper: Optional[DistWrapper] = None) -> None:
         """Run the write and the finalization here and now (a synchronous save)."""
+        self.preload()
         self.run_async_fn()
         self.finalize(dist_wrapper)
 
@@ -152,7 +170,7 @@ class TemporalAsyncCaller(AsyncCaller):
         self._threads: Dict[int, Tuple[threading.Thread, float]] = {}
 
     def schedule_async_call(self, request: AsyncRequest) -> None:
-        if request.async_fn is None:
+        if request.async_fn is None or request.async_error is not None:
             return
         thread = threading.Thread(target=request.run_async_fn, name=f"dist_ckpt-async-{request.call_idx}",
                                   daemon=True)
@@ -202,8 +220,8 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
             return
         idx, payload = job
         try:
-            fn, args = pickle.loads(payload)
-            results.put((idx, "ok", fn(*args)))
+            fn, args, kwargs = pickle.loads(payload)
+            results.put((idx, "ok", fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
             results.put((idx, "error", f"{type(e).__name__}: {e}"))
 
@@ -244,7 +262,7 @@ class PersistentAsyncCaller(AsyncCaller):
         logger.debug("started the persistent checkpoint writer, pid %d", self._process.pid)
 
     def schedule_async_call(self, request: AsyncRequest) -> None:
-        if request.async_fn is None:
+        if request.async_fn is None or request.async_error is not None:
             return
         self._ensure_process()
         token = self._next
@@ -255,7 +273,7 @@ class PersistentAsyncCaller(AsyncCaller):
             # Pickled here, not in the queue's feeder thread: an async_fn that does not pickle is
             # this request's error (reported on every rank at finalization), not a silent loss.
             # CPU tensors travel as shared-memory handles (torch's reductions), not bytes.
-            payload = ForkingPickler.dumps((request.async_fn, request.async_fn_args))
+            payload = ForkingPickler.dumps((request.async_fn, request.async_fn_args, request.async_fn_kwargs))
         except Exception as e:  # noqa: BLE001
             request.async_error = CheckpointingException(
                 f"the persistent checkpoint writer needs a picklable write function: {type(e).__name__}: {e}"
@@ -364,6 +382,7 @@ class AsyncCallsQueue:
     def schedule_async_request(self, request: AsyncRequest) -> int:
         """Start the request's write in the background; returns its call index."""
         request.freeze()
+        request.preload()  # staging, on this (the training) thread
         request.call_idx = self._next_idx
         self._next_idx += 1
         caller = self._caller_for(request)
