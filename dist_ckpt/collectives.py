@@ -160,20 +160,24 @@ class DistWrapper:
                 exc = CheckpointingException(f"torch.distributed.checkpoint failed: {_describe(exc)}")
             return None, RankFailure.capture(self.rank, exc), exc
 
-    def _sendable(self, payload: Any, failure: Optional[RankFailure], exc: Optional[BaseException]
-                  ) -> "tuple[Any, Optional[RankFailure], Optional[BaseException]]":
-        """What this rank contributes to a collective: ``payload`` if it pickles, else the
-        pickling error as this rank's failure. (An object collective pickles its input on one
-        rank only: failing there would leave the other ranks waiting.)"""
+    def _pack(self, payload: Any, failure: Optional[RankFailure], exc: Optional[BaseException]
+              ) -> "tuple[Any, Optional[RankFailure], Optional[BaseException]]":
+        """What this rank contributes to a collective: ``payload`` pickled here, once (the
+        collective then only copies bytes), or the pickling error as this rank's failure. An
+        object collective pickles its input on one rank only: failing inside it would leave the
+        other ranks waiting. Without a process group the payload passes as is."""
         if failure is not None or not self.use_dist:
             return payload, failure, exc
         try:
-            pickle.dumps(payload)
+            return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), None, None
         except Exception as e:  # noqa: BLE001 - any pickling error must reach the other ranks
             err = CheckpointingException(f"rank {self.rank} cannot send its part of a collective step: "
                                          f"{type(e).__name__}: {e}")
             return None, RankFailure.capture(self.rank, err), err
-        return payload, None, None
+
+    def _unpack(self, blob: Any) -> Any:
+        """The payload ``_pack`` made of it (bytes from another rank of this job)."""
+        return pickle.loads(blob) if self.use_dist and blob is not None else blob  # noqa: S301
 
     def exchange(self, fn: Callable[[], T], share: Callable[[T], Any] = lambda _: None) -> "tuple[T, List[Any]]":
         """Run ``fn`` on every rank and all-gather ``share(result)``; if ``fn`` failed
@@ -183,10 +187,10 @@ class DistWrapper:
             shared, failure, exc = self._run(lambda: share(value))
         else:
             shared = None
-        shared, failure, exc = self._sendable(shared, failure, exc)
-        outcomes = self.all_gather_object((shared, failure))
+        blob, failure, exc = self._pack(shared, failure, exc)
+        outcomes = self.all_gather_object((blob, failure))
         _raise_first([f for _, f in outcomes if f is not None], exc)
-        return value, [s for s, _ in outcomes]
+        return value, [self._unpack(b) for b, _ in outcomes]
 
     def all_run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere."""
@@ -198,49 +202,50 @@ class DistWrapper:
     def all_gather(self, fn: Callable[[], T]) -> List[T]:
         """Run ``fn`` on every rank and give every rank all results (or the same error)."""
         value, failure, exc = self._run(fn)
-        value, failure, exc = self._sendable(value, failure, exc)
-        outcomes = self.all_gather_object((value, failure))
+        blob, failure, exc = self._pack(value, failure, exc)
+        outcomes = self.all_gather_object((blob, failure))
         _raise_first([f for _, f in outcomes if f is not None], exc)
-        return [v for v, _ in outcomes]
+        return [self._unpack(b) for b, _ in outcomes]
+
+    def _on_coordinator(self, gathered: List[Any], global_fn: Callable[[List[Any]], Any]
+                        ) -> "tuple[Any, List[RankFailure]]":
+        """Coordinator: ``global_fn`` over the gathered payloads, or the ranks' failures."""
+        failures = [f for _, f in gathered if f is not None]
+        if failures:
+            return None, failures
+        result, g_failure, _ = self._run(lambda: global_fn([self._unpack(b) for b, _ in gathered]))
+        return result, [g_failure] if g_failure is not None else []
 
     def reduce_scatter(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], List[R]]) -> R:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator over all local results,
         which returns one result per rank; each rank gets its own (or the same error)."""
         value, failure, exc = self._run(local_fn)
-        value, failure, exc = self._sendable(value, failure, exc)
-        gathered = self.gather_object((value, failure))
+        blob, failure, exc = self._pack(value, failure, exc)
+        gathered = self.gather_object((blob, failure))
         per_rank: Optional[List[Any]] = None
         if self.is_coordinator:
-            failures = [f for _, f in gathered if f is not None]
+            results, failures = self._on_coordinator(gathered, global_fn)
             if not failures:
-                results, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
-                results, g_failure, _ = self._sendable(results, g_failure, None)
-                if g_failure is not None:
-                    failures = [g_failure]
-                else:
-                    per_rank = [(r, None) for r in results]
+                packed = [self._pack(r, None, None) for r in results]
+                failures = [f for _, f, _ in packed if f is not None][:1]
+                per_rank = [(b, None) for b, _, _ in packed]
             if failures:
                 per_rank = [(None, failures)] * self.world_size
         mine, failures = self.scatter_object(per_rank)
         _raise_first(failures or [], exc)
-        return mine
+        return self._unpack(mine)
 
     def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the
         error of any step on any rank) is broadcast to all."""
         value, failure, exc = self._run(local_fn)
-        value, failure, exc = self._sendable(value, failure, exc)
-        gathered = self.gather_object((value, failure))
+        blob, failure, exc = self._pack(value, failure, exc)
+        gathered = self.gather_object((blob, failure))
         outcome: Any = None
         if self.is_coordinator:
-            failures = [f for _, f in gathered if f is not None]
-            if not failures:
-                result, g_failure, _ = self._run(lambda: global_fn([v for v, _ in gathered]))
-                result, g_failure, _ = self._sendable(result, g_failure, None)
-                failures = [g_failure] if g_failure is not None else []
-                outcome = (result, failures)
-            else:
-                outcome = (None, failures)
-        result, failures = self.broadcast_object(outcome)
+            result, failures = self._on_coordinator(gathered, global_fn)
+            result_blob, r_failure, _ = self._pack(result, None, None) if not failures else (None, None, None)
+            outcome = (result_blob, failures + ([r_failure] if r_failure is not None else []))
+        result_blob, failures = self.broadcast_object(outcome)
         _raise_first(failures, exc)
-        return result
+        return self._unpack(result_blob)

@@ -31,6 +31,7 @@ __all__ = [
     "exchange_loaded_objects_gather_object",
     "exchange_by_distribution",
     "is_float8tensor",
+    "group_rank_and_size",
 ]
 
 ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
@@ -86,7 +87,8 @@ def distribute_shards_to_ranks(
     return assignment
 
 
-def _group_ranks(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """(this rank in ``group``, its size); (0, 1) without a process group."""
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -104,7 +106,7 @@ def determine_main_replica_uniform_distribution(
     a load (``ignore_groups=True``) every shard the group holds is. None without a group of
     more than one rank (nothing to distribute).
     """
-    _, world = _group_ranks(parallelization_group)
+    _, world = group_rank_and_size(parallelization_group)
     if world <= 1:
         return None
     local = [(shard_id(sh), sh.without_data(), _nbytes(sh), is_main_replica(sh.replica_id))
@@ -147,17 +149,15 @@ def exchange_loaded_tensors_broadcast(
 ) -> Dict[ShardId, torch.Tensor]:
     """Every shard is broadcast by the rank that loaded it to the group; each rank keeps the
     shards it needs (``unloaded_shards``) next to those it loaded. Collective on the group."""
-    rank, _ = _group_ranks(parallelization_group)
+    rank, _ = group_rank_and_size(parallelization_group)
     result = dict(loaded_tensors)
     for sid in sorted(shard_distribution.main_rank_for_shard, key=repr):
         owner = shard_distribution.main_rank_for_shard[sid]
         md = shard_distribution.shard_to_metadata[sid]
         if rank == owner:
             tensor = loaded_tensors[sid].contiguous()
-        elif sid in unloaded_shards:
+        else:  # received; kept only if this rank asked for it
             tensor = torch.empty(_flat_or_local_shape(md), dtype=md.dtype)
-        else:
-            tensor = torch.empty(_flat_or_local_shape(md), dtype=md.dtype)  # received and dropped
         dist.broadcast(tensor, src=_global_rank(parallelization_group, owner), group=parallelization_group)
         if rank != owner and sid in unloaded_shards:
             result[sid] = tensor
@@ -176,7 +176,7 @@ def exchange_loaded_tensors_gather_object(
 ) -> Dict[ShardId, torch.Tensor]:
     """Like the broadcast variant, with one ``all_gather_object`` of every loaded shard (simple;
     holds all of the group's shards in memory at once)."""
-    _, world = _group_ranks(parallelization_group)
+    _, world = group_rank_and_size(parallelization_group)
     gathered: List[Optional[Dict[ShardId, torch.Tensor]]] = [None] * world
     dist.all_gather_object(gathered, {k: v.cpu() for k, v in loaded_tensors.items()}, group=parallelization_group)
     result = dict(loaded_tensors)
@@ -200,7 +200,7 @@ def exchange_loaded_objects_gather_object(loaded_objects: Dict[ShardId, object],
                                           parallelization_group: Optional[dist.ProcessGroup] = None
                                           ) -> Dict[ShardId, object]:
     """Every rank gets every rank's loaded objects (one ``all_gather_object``)."""
-    _, world = _group_ranks(parallelization_group)
+    _, world = group_rank_and_size(parallelization_group)
     if world <= 1:
         return dict(loaded_objects)
     gathered: List[Optional[Dict[ShardId, object]]] = [None] * world

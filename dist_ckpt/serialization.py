@@ -44,6 +44,7 @@ from .mapping import (
     apply_factory_merges,
 )
 from .strategies.async_utils import AsyncRequest
+from .utils import extract_nonpersistent, extract_sharded_base
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -104,8 +105,8 @@ def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStat
     empty containers kept (see ``dict_utils.extract_matching_values``).
     """
     apply_factories(sharded_state_dict)
-    _, persistent = extract_matching_values(sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject))
-    _, common = extract_matching_values(persistent, _is_sharded)
+    _, persistent = extract_nonpersistent(sharded_state_dict)
+    _, common = extract_sharded_base(persistent)
     sharded, _ = extract_matching_values(sharded_state_dict, _is_sharded, return_lists_as_dicts=True)
     nonpersistent, _ = extract_matching_values(
         sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True

@@ -13,14 +13,13 @@ from typing import Any, Callable, Optional, Tuple
 
 from .dict_utils import dict_list_map_inplace, extract_matching_values
 from .mapping import (
-    LocalNonpersistentObject,
-    ShardedBase,
     ShardedStateDict,
     ShardedTensor,
     ShardedTensorFactory,
     StateDict,
     apply_factories,
 )
+from .utils import extract_nonpersistent, extract_sharded_base
 
 __all__ = ["save_preprocess", "load_preprocess", "filter_out_empty_flatten_tensor"]
 
@@ -46,8 +45,8 @@ def save_preprocess(
     and each rank's common part compared with rank 0's (differences logged), as ``save`` does.
     """
     apply_factories(sharded_state_dict)
-    _, persistent = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
-    sharded_part, common_state_dict = extract_matching_values(persistent, lambda v: isinstance(v, ShardedBase))
+    _, persistent = extract_nonpersistent(sharded_state_dict)
+    sharded_part, common_state_dict = extract_sharded_base(persistent)
     sharded_part = filter_out_empty_flatten_tensor(sharded_part)
     if validate_access_integrity:
         from .collectives import DistWrapper
@@ -75,8 +74,6 @@ def load_preprocess(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateD
     def unwrap(o: Any) -> Any:
         return o.unwrap()
 
-    nonpersistent, sharded_state_dict = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
-    )
+    nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
     dict_list_map_inplace(unwrap, nonpersistent)
     return sharded_state_dict, nonpersistent, factories

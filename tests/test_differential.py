@@ -298,6 +298,11 @@ def _run_all(rank: int, world: int, root: str) -> dict:
                         lambda: _metadata_summary(lib.serialization.load_sharded_metadata(ckpt)))
         dist.barrier()
 
+    for saver, (lib, ns) in libs.items():
+        results[("directory_flow", saver)] = _attempt(
+            lambda: _directory_flow(lib, ns, rank, world, os.path.join(root, "directory_flow", saver)))
+        dist.barrier()
+
     save_both("strict", lambda ns: _strict_saved(ns, rank, world))
     for mode in STRICT_MODES:
         for with_unexpected in (False, True):
@@ -308,6 +313,40 @@ def _run_all(rank: int, world: int, root: str) -> dict:
                         lambda: lib.load(_strict_request(ns, rank, world, with_unexpected), ckpt, strict=mode))
                     dist.barrier()
     return results
+
+
+def _directory_flow(lib, ns, rank, world, ckpt):
+    """Megatron-LM's flow: the iteration directory exists and holds other tools' files before the
+    save; another file arrives after it; a restarted job saves the same iteration again."""
+    import torch.distributed as dist
+
+    foreign = {"modelopt_state/state.pt": b"modelopt", "config.yaml": b"lr: 0.1", "late.txt": b"after the save"}
+    if rank == 0:
+        os.makedirs(os.path.join(ckpt, "modelopt_state"))
+        for name in ("modelopt_state/state.pt", "config.yaml"):
+            with open(os.path.join(ckpt, name), "wb") as f:
+                f.write(foreign[name])
+    dist.barrier()
+    lib.save(_strict_saved(ns, rank, world), ckpt)
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(ckpt, "late.txt"), "wb") as f:
+            f.write(foreign["late.txt"])
+    dist.barrier()
+    second = {k: ns.ShardedTensor.from_rank_offsets(k, _data(k, (4,), torch.float32, rank + 10, False), (0, rank, world))
+              for k in ("a", "b")}
+    lib.save(second, ckpt)  # into the committed checkpoint: replaced
+    dist.barrier()
+    import dist_ckpt
+
+    request = {k: dist_ckpt.ShardedTensor.from_rank_offsets(k, torch.zeros(4), (0, rank, world)) for k in ("a", "b")}
+    loaded = dist_ckpt.load(request, ckpt)
+    files = {}
+    for name in foreign:
+        with open(os.path.join(ckpt, name), "rb") as f:
+            files[name] = f.read() == foreign[name]
+    return {"second_save_loaded": all(torch.equal(loaded[k], second[k].data) for k in ("a", "b")),
+            "foreign_files_intact": files}
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +434,15 @@ def test_strict_handling_agrees(outcomes, mode, with_unexpected):
                     assert got.ours_error, f"{where}: not a dist_ckpt error: {got.error}"
                 continue
             assert_same(got.value, reference.value, (where,))
+
+
+@pytest.mark.parametrize("saver", ["mcore", "ours"])
+def test_directory_flow_of_megatron_lm(outcomes, saver):
+    """Pre-created directory with other tools' files, a file arriving after the save, a re-save
+    into the committed checkpoint: both libraries keep the files and the second checkpoint loads."""
+    for rank, results in enumerate(outcomes):
+        got = results[("directory_flow", saver)]
+        assert got.error is None, f"rank {rank} {saver}: {got.error}"
+        assert got.value == {"second_save_loaded": True,
+                             "foreign_files_intact": {"modelopt_state/state.pt": True, "config.yaml": True,
+                                                      "late.txt": True}}, got.value

@@ -267,7 +267,6 @@ class PersistentAsyncCaller(AsyncCaller):
         self._ensure_process()
         token = self._next
         self._next += 1
-        request.call_idx = token if request.call_idx is None else request.call_idx
         request._caller_token = token  # type: ignore[attr-defined]
         try:
             # Pickled here, not in the queue's feeder thread: an async_fn that does not pickle is

@@ -24,6 +24,7 @@ from ..exchange_utils import (
     ShardId,
     determine_main_replica_uniform_distribution,
     exchange_by_distribution,
+    group_rank_and_size,
     shard_id,
 )
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
@@ -37,12 +38,6 @@ __all__ = [
 ]
 
 
-def _group_rank(group: Optional[dist.ProcessGroup]) -> int:
-    if not dist.is_available() or not dist.is_initialized():
-        return 0
-    return dist.get_rank(group)
-
-
 def distribute_main_replicas_with_precomputed_distribution(
     sharded_state_dict: ShardedStateDict, parallelization_group: Optional[dist.ProcessGroup],
     precomputed_distribution: Optional[ShardDistribution],
@@ -51,7 +46,7 @@ def distribute_main_replicas_with_precomputed_distribution(
     1 on its other holders in the group. Shards outside the distribution keep theirs."""
     if precomputed_distribution is None:
         return
-    rank = _group_rank(parallelization_group)
+    rank = group_rank_and_size(parallelization_group)[0]
     for sh in nested_values(sharded_state_dict):
         if not isinstance(sh, ShardedTensor):
             continue
@@ -142,7 +137,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             self.cached_distribution = distribution
         if distribution is None:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
-        rank = _group_rank(self.parallelization_group)
+        rank = group_rank_and_size(self.parallelization_group)[0]
         mine: Dict[ShardId, ShardedTensor] = {}
         others: Dict[ShardId, ShardedTensor] = {}
         for sh in nested_values(sharded_state_dict):
