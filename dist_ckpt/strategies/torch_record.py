@@ -1,0 +1,410 @@
+"""One tensor as a ``torch.save`` zip record, written and located without ``torch.save``.
+
+Every tensor item of a 'torch_dist' checkpoint is a standalone ``torch.save`` blob (what DCP's
+``FileSystemWriter`` and Megatron-Core write, and what ``torch.load`` reads). Going through
+``torch.save``/``torch.load`` costs the fast paths what they exist to avoid:
+
+* ``torch.save`` computes the zip CRC32 of the data while holding the GIL (writer threads
+  cannot overlap) and needs a clone of a view whose storage is larger than the view;
+* ``torch.load`` of a blob read into ``bytes`` copies the data into a new storage, which is
+  then copied again into the destination.
+
+So the writer here emits the same zip (records ``data.pkl``, ``.format_version``,
+``.storage_alignment``, ``byteorder``, ``data/0``, ``version``, ``.data/serialization_id``;
+data 64-byte aligned; zip64 when a record or offset needs it) with the CRC32 computed by
+``zlib.crc32`` (GIL released) and the tensor's bytes handed to the stream as views of its
+memory; and ``locate_tensor_data`` finds where a stored tensor's bytes lie inside a blob from
+its central directory and a restricted unpickling of ``data.pkl``, so a reader can put them
+straight into the destination. Anything unusual (compression, another pickle form, a view
+into a larger storage) makes ``locate_tensor_data`` return None and the caller falls back to
+``torch.load`` through the safe unpickler.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import io
+import pickle
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["StoredTensor", "write_tensor_record", "locate_tensor_data", "tensor_bytes"]
+
+ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
+ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
+_ZIP64_MARK = 0xFFFFFFFF  # what a 32-bit field holds when the value is in the zip64 extra field
+WRITE_PIECE = 16 << 20  # tensor bytes are handed to the stream in pieces of this size
+_PREFIX = "archive/"  # torch.save's record prefix for a stream
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01: the zip format cannot say "no date"
+
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_EOCD = struct.Struct("<IHHHHIIH")
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")
+_LOCATOR64 = struct.Struct("<IIQI")
+_LOCAL_SIG, _CENTRAL_SIG, _EOCD_SIG = 0x04034B50, 0x02014B50, 0x06054B50
+_EOCD64_SIG, _LOCATOR64_SIG = 0x06064B50, 0x07064B50
+_UTF8_FLAG = 0x800
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, as a flat view of its memory (no copy)."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+@functools.lru_cache(maxsize=None)
+def _storage_class(dtype: torch.dtype) -> Optional[Any]:
+    """The legacy storage class torch.save names in data.pkl for ``dtype`` (torch.FloatStorage...);
+    None for the dtypes that have none (float8, uint16...), which torch pickles by bytes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            name = torch.storage.TypedStorage(dtype=dtype, device="cpu")._pickle_storage_type()
+        except KeyError:
+            return None
+    return getattr(torch, name)
+
+
+class _StorageRef:
+    """Stands for the tensor's storage while pickling: becomes the persistent id torch writes."""
+
+    def __init__(self, dtype: torch.dtype, numel: int) -> None:
+        self.dtype, self.numel = dtype, numel
+
+
+class _TensorRebuild:
+    """Pickles as torch.save pickles a contiguous tensor that owns its storage: through
+    ``_rebuild_tensor_v2`` and a typed storage, or ``_rebuild_tensor_v3`` (untyped storage of
+    bytes, dtype last) for the dtypes without a legacy storage class."""
+
+    def __init__(self, storage: _StorageRef, shape: Tuple[int, ...]) -> None:
+        self.storage, self.shape = storage, shape
+
+    def __reduce__(self) -> Any:
+        stride, acc = [], 1
+        for n in reversed(self.shape):
+            stride.append(acc)
+            acc *= n
+        args = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        if _storage_class(self.storage.dtype) is None:
+            return torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,)
+        return torch._utils._rebuild_tensor_v2, args
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, _StorageRef):
+            return None
+        cls = _storage_class(obj.dtype)
+        if cls is None:
+            nbytes = obj.numel * torch.empty(0, dtype=obj.dtype).element_size()
+            return ("storage", torch.storage.UntypedStorage, "0", "cpu", nbytes)
+        return ("storage", cls, "0", "cpu", obj.numel)
+
+
+def _tensor_pickle(dtype: torch.dtype, shape: Tuple[int, ...]) -> bytes:
+    """``data.pkl`` as torch.save writes it for a contiguous tensor that owns its storage."""
+    buffer = io.BytesIO()
+    numel = 1
+    for n in shape:
+        numel *= n
+    _TorchPickler(buffer, protocol=2).dump(_TensorRebuild(_StorageRef(dtype, numel), tuple(shape)))
+    return buffer.getvalue()
+
+
+def _zip64_extra(size: int, offset: Optional[int]) -> bytes:
+    fields = [size, size] + ([offset] if offset is not None else [])
+    return struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields)
+
+
+def _padding(position: int, name_len: int, extra_len: int) -> bytes:
+    """torch's 'FB' extra field that puts the record's data at a multiple of ALIGNMENT."""
+    pad = -(position + _LOCAL.size + name_len + extra_len) % ALIGNMENT
+    if pad == 0:
+        return b""
+    if pad < 4:
+        pad += ALIGNMENT
+    return b"FB" + struct.pack("<H", pad - 4) + b"Z" * (pad - 4)
+
+
+@dataclass
+class _Record:
+    name: bytes
+    data: Any  # bytes or a memoryview of tensor memory
+    crc: int
+    offset: int = 0
+
+
+def _records(tensor: torch.Tensor, data: memoryview) -> List[_Record]:
+    pkl = _tensor_pickle(tensor.dtype, tuple(tensor.shape))
+    items = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
+             ("byteorder", b"little"), ("data/0", data), ("version", b"3\n"),
+             (".data/serialization_id", b"0" * 40)]
+    return [_Record((_PREFIX + n).encode(), d, zlib.crc32(d)) for n, d in items]
+
+
+def _local_header(record: _Record, position: int) -> bytes:
+    size = len(record.data)
+    big = size >= ZIP64_LIMIT
+    extra = _zip64_extra(size, None) if big else b""
+    extra += _padding(position, len(record.name), len(extra))
+    stored = _ZIP64_MARK if big else size
+    header = _LOCAL.pack(_LOCAL_SIG, 45 if big else 20, _UTF8_FLAG, 0, 0, _DOS_DATE, record.crc, stored, stored,
+                         len(record.name), len(extra))
+    return header + record.name + extra
+
+
+def _central_directory(records: List[_Record], start: int) -> bytes:
+    out = []
+    for r in records:
+        size = len(r.data)
+        big = size >= ZIP64_LIMIT or r.offset >= ZIP64_LIMIT
+        extra = _zip64_extra(size, r.offset) if big else b""
+        stored, offset = (_ZIP64_MARK, _ZIP64_MARK) if big else (size, r.offset)
+        out.append(_CENTRAL.pack(_CENTRAL_SIG, 45 if big else 20, 45 if big else 20, _UTF8_FLAG, 0, 0, _DOS_DATE,
+                                 r.crc, stored, stored, len(r.name), len(extra), 0, 0, 0, 0, offset))
+        out.append(r.name + extra)
+    directory = b"".join(out)
+    end = start + len(directory)
+    n = len(records)
+    eocd64 = _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, 45, 45, 0, 0, n, n, len(directory), start)
+    locator = _LOCATOR64.pack(_LOCATOR64_SIG, 0, end, 1)
+    fits = start < ZIP64_LIMIT and len(directory) < ZIP64_LIMIT
+    eocd = _EOCD.pack(_EOCD_SIG, 0, 0, n, n, len(directory) if fits else _ZIP64_MARK,
+                      start if fits else _ZIP64_MARK, 0)
+    return directory + eocd64 + locator + eocd
+
+
+def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor) -> None:
+    """Write ``tensor`` (contiguous, CPU) as a ``torch.save`` blob through ``write``.
+
+    The tensor's bytes are passed as memoryviews of its memory in pieces of ``WRITE_PIECE``
+    (the caller may hash each piece while it is in cache); nothing of the data is copied."""
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("write_tensor_record needs a contiguous CPU tensor")
+    records = _records(tensor, tensor_bytes(tensor))
+    position = 0
+    for r in records:
+        r.offset = position
+        header = _local_header(r, position)
+        write(header)
+        position += len(header)
+        data = r.data
+        if len(data) <= WRITE_PIECE:
+            write(data)
+        else:
+            for start in range(0, len(data), WRITE_PIECE):
+                write(data[start : start + WRITE_PIECE])
+        position += len(data)
+    write(_central_directory(records, position))
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor inside a blob: ``nbytes`` bytes at ``data_offset`` (from the blob's start) hold
+    it contiguously, in ``dtype`` and ``shape``."""
+
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    data_offset: int
+    nbytes: int
+
+
+class _NotPlain(Exception):
+    """The pickle is not the plain single-tensor form; the caller uses torch.load instead."""
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_names() -> Dict[str, Any]:
+    """``torch.<name>`` globals the plain pickle may use: legacy storage classes (as the dtype
+    they hold) and dtypes."""
+    out: Dict[str, Any] = {}
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, torch.dtype):
+            out[name] = obj
+    for dtype in set(out.values()):
+        cls = _storage_class(dtype)
+        if cls is not None:
+            out[cls.__name__] = dtype
+    return out
+
+
+_UNTYPED = object()  # torch.storage.UntypedStorage: a storage counted in bytes
+
+
+class _StorageDesc:
+    def __init__(self, dtype: Any, key: str, numel: int) -> None:
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+class _TensorDesc:
+    def __init__(self, storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any = None,
+                 hooks: Any = None, dtype: Any = None, *rest: Any) -> None:
+        if not isinstance(storage, _StorageDesc):
+            raise _NotPlain()
+        self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
+        if storage.dtype is _UNTYPED:
+            if not isinstance(dtype, torch.dtype):
+                raise _NotPlain()
+            self.dtype = dtype
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            if storage.numel % itemsize:
+                raise _NotPlain()
+            self.storage_numel = storage.numel // itemsize
+        else:
+            if dtype is not None and dtype != storage.dtype:
+                raise _NotPlain()
+            self.dtype, self.storage_numel = storage.dtype, storage.numel
+
+
+class _PlainTensorUnpickler(pickle.Unpickler):
+    """Resolves nothing but the names of torch's single-tensor pickle, to descriptions."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _TensorDesc
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UNTYPED
+        if module == "torch" and name in _torch_names():
+            return _torch_names()[name]
+        raise _NotPlain()
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                or not (isinstance(pid[1], torch.dtype) or pid[1] is _UNTYPED)
+                or not isinstance(pid[2], str) or not _is_count(pid[4])):
+            raise _NotPlain()
+        return _StorageDesc(pid[1], pid[2], pid[4])
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 62)
+
+
+def _central_entries(tail: memoryview, tail_start: int) -> Optional[Dict[str, Tuple[int, int, int]]]:
+    """name -> (local header offset, size, method) from the central directory in ``tail``
+    (the blob's last bytes, starting at blob offset ``tail_start``); None if not found there."""
+    if len(tail) < _EOCD.size:
+        return None
+    sig, _, _, _, count, cd_size, cd_offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
+    if sig != _EOCD_SIG or comment:
+        return None
+    if _ZIP64_MARK in (cd_size, cd_offset) or count == 0xFFFF:
+        at = len(tail) - _EOCD.size - _LOCATOR64.size
+        if at < 0:
+            return None
+        sig, _, eocd64_offset, _ = _LOCATOR64.unpack_from(tail, at)
+        rel = eocd64_offset - tail_start
+        if sig != _LOCATOR64_SIG or rel < 0 or rel + _EOCD64.size > len(tail):
+            return None
+        fields = _EOCD64.unpack_from(tail, rel)
+        if fields[0] != _EOCD64_SIG:
+            return None
+        count, cd_size, cd_offset = fields[7], fields[8], fields[9]
+    pos = cd_offset - tail_start
+    if pos < 0 or pos + cd_size > len(tail):
+        return None
+    entries = {}
+    for _ in range(count):
+        if pos + _CENTRAL.size > len(tail):
+            return None
+        f = _CENTRAL.unpack_from(tail, pos)
+        if f[0] != _CENTRAL_SIG:
+            return None
+        method, csize, usize, name_len, extra_len, comment_len, offset = f[4], f[8], f[9], f[10], f[11], f[12], f[16]
+        name = bytes(tail[pos + _CENTRAL.size : pos + _CENTRAL.size + name_len]).decode("utf-8", "replace")
+        extra = tail[pos + _CENTRAL.size + name_len : pos + _CENTRAL.size + name_len + extra_len]
+        if _ZIP64_MARK in (csize, usize, offset):
+            wide = _zip64_fields(extra)
+            if wide is None:
+                return None
+            it = iter(wide)
+            usize = next(it, None) if usize == _ZIP64_MARK else usize
+            csize = next(it, None) if csize == _ZIP64_MARK else csize
+            offset = next(it, None) if offset == _ZIP64_MARK else offset
+            if None in (usize, csize, offset):
+                return None
+        if csize != usize:
+            return None
+        entries[name] = (offset, usize, method)
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+    return entries
+
+
+def _zip64_fields(extra: memoryview) -> Optional[List[int]]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, size = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            body = extra[pos + 4 : pos + 4 + size]
+            return list(struct.unpack_from(f"<{len(body) // 8}Q", body))
+        pos += 4 + size
+    return None
+
+
+def _data_start(head: memoryview, header_offset: int) -> Optional[int]:
+    if header_offset + _LOCAL.size > len(head):
+        return None
+    f = _LOCAL.unpack_from(head, header_offset)
+    if f[0] != _LOCAL_SIG:
+        return None
+    return header_offset + _LOCAL.size + f[9] + f[10]
+
+
+def locate_tensor_data(head: memoryview, tail: memoryview, blob_length: int) -> Optional[StoredTensor]:
+    """Where the tensor of a ``torch.save`` blob lies, from its first bytes (``head``, which
+    must reach the start of the tensor's data) and last bytes (``tail``, which must hold the
+    central directory). None when the blob is not a plain single contiguous tensor whose
+    storage it is, stored uncompressed (the caller then reads it with ``torch.load``)."""
+    entries = _central_entries(tail, blob_length - len(tail))
+    if not entries:
+        return None
+    pickles = [n for n in entries if n.endswith("data.pkl") and n.count("/") == 1]
+    if len(pickles) != 1:
+        return None
+    prefix = pickles[0][: -len("data.pkl")]
+    pkl_offset, pkl_size, pkl_method = entries[pickles[0]]
+    start = _data_start(head, pkl_offset)
+    if pkl_method != 0 or start is None or start + pkl_size > len(head):
+        return None
+    try:
+        desc = _PlainTensorUnpickler(io.BytesIO(bytes(head[start : start + pkl_size]))).load()
+    except Exception:  # noqa: BLE001 - any other form (or damage): torch.load decides
+        return None
+    if not isinstance(desc, _TensorDesc) or desc.offset != 0 or not isinstance(desc.size, tuple):
+        return None
+    shape = desc.size
+    if not all(_is_count(n) for n in shape) or not isinstance(desc.stride, tuple) or len(desc.stride) != len(shape):
+        return None
+    numel, acc = 1, 1
+    for n, s in zip(reversed(shape), reversed(desc.stride)):
+        if n != 1 and s != acc:
+            return None
+        acc *= n
+    for n in shape:
+        numel *= n
+    if numel != desc.storage_numel:
+        return None
+    record = entries.get(f"{prefix}data/{desc.storage.key}")
+    if record is None or record[2] != 0:
+        return None
+    nbytes = numel * torch.empty(0, dtype=desc.dtype).element_size()
+    data_offset = _data_start(head, record[0])
+    if data_offset is None or record[1] != nbytes or data_offset + nbytes > blob_length:
+        return None
+    return StoredTensor(desc.dtype, tuple(shape), data_offset, nbytes)
