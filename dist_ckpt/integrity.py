@@ -47,6 +47,8 @@ __all__ = [
     "verification",
     "verification_enabled",
     "verify_bytes",
+    "expected_entry",
+    "check_digest",
     "read_verified",
 ]
 
@@ -328,18 +330,32 @@ def verify_bytes(checkpoint_dir: Union[str, os.PathLike], file: str, offset: int
     manifest = load_manifest(checkpoint_dir)
     if manifest is None:
         return
+    entry = expected_entry(manifest, checkpoint_dir, file, offset, what)
+    check_digest(checkpoint_dir, file, offset, entry, len(data), hash_bytes(data), what)
+
+
+def expected_entry(manifest: Manifest, checkpoint_dir: Union[str, os.PathLike], file: str, offset: int,
+                   what: Optional[str] = None) -> ManifestEntry:
+    """The manifest's entry for the bytes at ``offset`` of ``file``; an error if it has none
+    (readers that hash while reading look it up first, then call ``check_digest``)."""
     entry = manifest.lookup(file, offset)
-    label = what or (entry.key if entry and entry.key else file)
-    path = Path(checkpoint_dir) / file
     if entry is None:
         raise CorruptCheckpointError(
-            f"{path}: bytes at offset {offset} ({label}) are not listed in {MANIFEST_FNAME}; the checkpoint "
-            f"was modified after it was saved (load with verify_checksums=False to skip the check)"
+            f"{Path(checkpoint_dir) / file}: bytes at offset {offset} ({what or file}) are not listed in "
+            f"{MANIFEST_FNAME}; the checkpoint was modified after it was saved (load with "
+            f"verify_checksums=False to skip the check)"
         )
-    if entry.length != len(data) or hash_bytes(data) != entry.hash:
+    return entry
+
+
+def check_digest(checkpoint_dir: Union[str, os.PathLike], file: str, offset: int, entry: ManifestEntry,
+                 length: int, digest: str, what: Optional[str] = None) -> None:
+    """``length`` bytes read at ``offset`` of ``file`` hashed to ``digest``: they must match ``entry``."""
+    if entry.length != length or digest != entry.hash:
+        label = what or (entry.key if entry.key else file)
         raise CorruptCheckpointError(
-            f"{path}: checksum mismatch for {label} at bytes [{offset}, {offset + entry.length}) "
-            f"(read {len(data)} bytes); the file is damaged"
+            f"{Path(checkpoint_dir) / file}: checksum mismatch for {label} at bytes [{offset}, "
+            f"{offset + entry.length}) (read {length} bytes); the file is damaged"
         )
 
 

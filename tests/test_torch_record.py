@@ -110,3 +110,14 @@ def test_tensor_bytes_is_a_view_not_a_copy():
     view = tr.tensor_bytes(t)
     view[0:4] = b"\x00\x00\x80\x3f"
     assert t[0].item() == 1.0
+
+
+def test_tensor_bytes_of_odd_strided_contiguous_tensors():
+    """torch calls a tensor contiguous when only size-1 axes have odd strides."""
+    base = torch.arange(8, dtype=torch.bfloat16)
+    one = base.as_strided((1, 1), (2, 2), 3)
+    assert one.is_contiguous()
+    assert bytes(tr.tensor_bytes(one)) == bytes(tr.tensor_bytes(base[3:4].clone()))
+    column = base.as_strided((2, 1), (1, 2))
+    assert column.is_contiguous()
+    assert bytes(tr.tensor_bytes(column)) == bytes(tr.tensor_bytes(base[:2].clone()))

@@ -5,7 +5,8 @@ Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written (i
 extensions would add transform descriptors that Megatron-Core cannot read), and its writer
 keeps every tensor of a file alive until the file closes. The bytes written are the same: each
 item is a standalone ``torch.save`` blob (bytes items verbatim) at the offset and length the
-pickled ``Metadata`` records, one fsync per file. Reading keeps DCP's ``FileSystemReader`` for
+pickled ``Metadata`` records (written by ``torch_record`` without torch.save's copies), one
+fsync per file. Reading keeps DCP's ``FileSystemReader`` for
 its stream transforms but replaces unpickling and item reads with checked versions.
 """
 
@@ -28,8 +29,10 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..commit import atomic_write_bytes, fsync_directory
 from ..core import CheckpointNotFoundError, CorruptCheckpointError
-from ..integrity import HashingWriter, Recorder, hash_bytes, verify_bytes
+from ..integrity import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ..safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
+from .dcp_read import ItemGroup, copy_region, read_item_groups
+from .torch_record import write_tensor_record
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -70,7 +73,7 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
 
 
 def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                    recorder: Recorder) -> List[WriteResult]:
+                    recorder: Recorder, zip_crc32: bool = True) -> List[WriteResult]:
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
@@ -80,10 +83,12 @@ def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Call
             if item.type == WriteItemType.BYTE_IO:
                 stream.write(data.getbuffer())
             else:
-                tensor = data.detach().cpu()
-                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
-                    tensor = tensor.clone()  # torch.save would write the whole underlying storage
-                stream.torch_save(tensor)
+                tensor = data.detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.cpu()
+                if not tensor.is_contiguous():
+                    tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
+                write_tensor_record(stream.write, tensor, zip_crc32=zip_crc32)
                 del tensor, data  # one tensor alive at a time (streamed saves depend on it)
             offset, length, digest = stream.finish_item()
             recorder.add(name, offset, length, digest, item.index.fqn)
@@ -95,8 +100,9 @@ def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Call
 
 
 def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                    recorder: Recorder, thread_count: int = 1) -> List[WriteResult]:
-    """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced."""
+                    recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True) -> List[WriteResult]:
+    """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced
+    once each; ``zip_crc32=False`` leaves the zip CRC fields 0 (see ``write_tensor_record``)."""
     buckets = _buckets(items, thread_count)
     results: List[List[WriteResult]] = [[] for _ in buckets]
     errors: List[BaseException] = []
@@ -104,7 +110,7 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     def run(i: int) -> None:
         try:
             name = f"{prefix}{i}.distcp"
-            results[i] = _write_one_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder)
+            results[i] = _write_one_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)
 
@@ -203,7 +209,11 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
 
 class DcpReader(FileSystemReader):
     """DCP's reader with the allowlisted unpickler, checksum verification and checked offsets,
-    sizes and file names."""
+    sizes and file names; items are read by ``thread_count`` threads."""
+
+    def __init__(self, path: Any, thread_count: int = 1) -> None:
+        super().__init__(path)
+        self.thread_count = thread_count
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / DCP_METADATA_FNAME
@@ -266,7 +276,9 @@ class DcpReader(FileSystemReader):
                 )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        per_file: Dict[str, List[Tuple[ReadItem, Any]]] = {}
+        """Every item of ``plan`` into the planner's destinations (``dcp_read``: direct reads,
+        ``thread_count`` threads, checksums while reading); non-tensor items through ``_apply``."""
+        groups: Dict[Tuple[str, int], ItemGroup] = {}
         for item in plan.items:
             info = self.storage_data.get(item.storage_index)
             if info is None:
@@ -274,40 +286,23 @@ class DcpReader(FileSystemReader):
                     f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "
                     f"entry in the storage table of {self.path}/.metadata"
                 )
-            per_file.setdefault(info.relative_path, []).append((item, info))
-        for relative_path, reqs in per_file.items():
-            path = Path(self.path) / relative_path
-            try:
-                f = open(path, "rb")
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    f"data file {path} is missing; it holds '{reqs[0][0].storage_index.fqn}'"
-                ) from None
-            with f:
-                file_size = os.fstat(f.fileno()).st_size
-                blobs: Dict[int, bytes] = {}  # several read items may share one stored item
-                for item, info in sorted(reqs, key=lambda r: r[1].offset):
-                    if info.offset not in blobs:
-                        blobs = {info.offset: self._read_blob(f, path, file_size, item, info)}
-                    self._apply(blobs[info.offset], path, item, planner)
+            key = (info.relative_path, info.offset)
+            if key not in groups:
+                groups[key] = ItemGroup(info.relative_path, info.offset, info.length, info)
+            groups[key].items.append(item)
+        manifest = load_manifest(self.path) if verification_enabled() else None
+
+        def fallback(group: ItemGroup, blob: bytes) -> None:
+            if group.transformed:
+                blob = self.transforms.transform_load_stream(
+                    group.items[0], group.info.transform_descriptors, io.BytesIO(blob)).read()
+            for item in group.items:
+                self._apply(blob, Path(self.path) / group.file, item, planner)
+
+        read_item_groups(Path(self.path), list(groups.values()), planner, manifest, fallback, self.thread_count)
         future: Any = torch.futures.Future()
         future.set_result(None)
         return future
-
-    def _read_blob(self, f: Any, path: Path, file_size: int, item: ReadItem, info: Any) -> bytes:
-        fqn = item.storage_index.fqn
-        offset, length = info.offset, info.length
-        if offset + length > file_size:
-            raise CorruptCheckpointError(
-                f"{path}: '{fqn}' is recorded at bytes [{offset}, {offset}+{length}) but the file has "
-                f"{file_size} bytes; the file is truncated or the metadata is damaged"
-            )
-        f.seek(offset)
-        blob = f.read(length)
-        verify_bytes(self.path, info.relative_path, offset, blob, what=f"'{fqn}'")
-        if info.transform_descriptors:
-            blob = self.transforms.transform_load_stream(item, info.transform_descriptors, io.BytesIO(blob)).read()
-        return blob
 
     @staticmethod
     def _apply(blob: bytes, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
@@ -316,20 +311,9 @@ class DcpReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(blob))
             return
         tensor = safe_torch_load(blob, what=what)
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(item.storage_offsets):
+        if not isinstance(tensor, torch.Tensor):
             raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-            if start + length > tensor.shape[dim]:
-                raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(tensor.shape)} is smaller than .metadata says")
-            tensor = tensor.narrow(dim, start, length)
-        target = planner.resolve_tensor(item).detach()
-        if target.shape != tensor.shape or target.dtype != tensor.dtype:
-            raise CorruptCheckpointError(
-                f"{what}: stored chunk has {tensor.dtype} {tuple(tensor.shape)}, .metadata promised "
-                f"{target.dtype} {tuple(target.shape)}"
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
+        copy_region(tensor, item, planner, what)
 
 
 def _is_count(v: Any) -> bool:

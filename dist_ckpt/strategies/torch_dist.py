@@ -111,11 +111,13 @@ class DcpWriteJob:
     tensors: Dict[MetadataIndex, torch.Tensor]
     objects: Dict[str, bytes]
     thread_count: int = 1
+    zip_crc32: bool = True
 
     def __call__(self) -> Tuple[List[Any], List[Any]]:
         recorder = Recorder()
         results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
-                                  _ItemSource(self.tensors, self.objects), recorder, self.thread_count)
+                                  _ItemSource(self.tensors, self.objects), recorder, self.thread_count,
+                                  self.zip_crc32)
         fsync_directory(self.checkpoint_dir)
         return results, recorder.entries()
 
@@ -128,11 +130,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         async_writer: where an asynchronous save writes: "thread" (a background thread of
             this process) or "process" (a forked child, free of this process's GIL; if it dies,
             every rank raises at finalization).
+        zip_crc32: compute the zip CRC32 of every tensor record (about 0.25 s of CPU per GiB).
+            False writes 0 there, as ``torch.serialization.set_crc32_options(False)`` does:
+            torch >= 2.6 and Megatron-Core load the files, zip tools and older torch do not;
+            dist_ckpt's own xxh3 checksums cover every byte either way.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 async_writer: str = "thread") -> None:
+                 async_writer: str = "thread", zip_crc32: bool = True) -> None:
         """Megatron-Core's arguments are accepted: ``cached_metadata`` and ``separation_hint``
         change nothing here (planning is cheap and files are split by ``thread_count``);
         ``keep_only_main_replica=False`` (writing replicas too) is refused."""
@@ -146,6 +152,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise CheckpointingException(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
         self.async_writer = async_writer
+        self.zip_crc32 = zip_crc32
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -187,7 +194,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 sources[item.index] = stage_copy(data, shared=self.async_writer == "process") if stage else data
 
         dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
-        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", plan.items, sources, object_blobs, self.thread_count)
+        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", plan.items, sources, object_blobs, self.thread_count,
+                          self.zip_crc32)
         request = AsyncRequest(job, (), [])
 
         def finish_metadata() -> None:
@@ -304,17 +312,24 @@ def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
-    """Loads ShardedTensors (any layout) and ShardedObjects from a DCP checkpoint."""
+    """Loads ShardedTensors (any layout) and ShardedObjects from a DCP checkpoint.
+
+    Args:
+        thread_count: reader threads per rank (each reads a run of neighbouring items).
+    """
 
     backend = "torch_dist"
     supported_versions = (1,)
+
+    def __init__(self, thread_count: int = 2) -> None:
+        self.thread_count = thread_count
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        reader = DcpReader(checkpoint_dir)
+        reader = DcpReader(checkpoint_dir, self.thread_count)
         metadata = reader.read_metadata()
         leaves = list(nested_values(sharded_state_dict))
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]

@@ -58,6 +58,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.stride(0) != 1:  # a one-element tensor may keep any stride; its memory is contiguous
+        flat = flat.as_strided((flat.numel(),), (1,))
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
@@ -144,12 +146,12 @@ class _Record:
     offset: int = 0
 
 
-def _records(tensor: torch.Tensor, data: memoryview) -> List[_Record]:
+def _records(tensor: torch.Tensor, data: memoryview, zip_crc32: bool) -> List[_Record]:
     pkl = _tensor_pickle(tensor.dtype, tuple(tensor.shape))
     items = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
              ("byteorder", b"little"), ("data/0", data), ("version", b"3\n"),
              (".data/serialization_id", b"0" * 40)]
-    return [_Record((_PREFIX + n).encode(), d, zlib.crc32(d)) for n, d in items]
+    return [_Record((_PREFIX + n).encode(), d, zlib.crc32(d) if zip_crc32 or len(d) < 4096 else 0) for n, d in items]
 
 
 def _local_header(record: _Record, position: int) -> bytes:
@@ -184,14 +186,18 @@ def _central_directory(records: List[_Record], start: int) -> bytes:
     return directory + eocd64 + locator + eocd
 
 
-def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor) -> None:
+def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True) -> None:
     """Write ``tensor`` (contiguous, CPU) as a ``torch.save`` blob through ``write``.
 
     The tensor's bytes are passed as memoryviews of its memory in pieces of ``WRITE_PIECE``
-    (the caller may hash each piece while it is in cache); nothing of the data is copied."""
+    (the caller may hash each piece while it is in cache); nothing of the data is copied.
+    ``zip_crc32=False`` writes 0 as the CRC of large data records, as torch.save does with
+    ``torch.serialization.set_crc32_options(False)``: torch >= 2.6 (and so every Megatron-Core
+    that runs on it) loads such files, zip tools and older torch report a CRC error. The
+    dist_ckpt manifest's xxh3 covers the bytes either way."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("write_tensor_record needs a contiguous CPU tensor")
-    records = _records(tensor, tensor_bytes(tensor))
+    records = _records(tensor, tensor_bytes(tensor), zip_crc32)
     position = 0
     for r in records:
         r.offset = position

@@ -1,0 +1,252 @@
+"""Reading a DCP checkpoint's items straight into their destinations, in parallel.
+
+The straightforward read of an item costs three copies: the blob into a new ``bytes``,
+``torch.load`` into a new storage, then ``copy_`` into the destination. Here a stored tensor
+is located inside its blob (``torch_record.locate_tensor_data``) and its bytes go
+
+* straight into the destination's memory when one read item takes the whole stored chunk
+  into a contiguous destination of the same dtype (the same-layout load), or
+* into one reused scratch buffer per reader thread otherwise (resharding: several read items
+  cut from one chunk, or a strided destination), from which each item copies its region.
+
+Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
+manifest entry looked up once per item; the manifest itself is read once per load. Items are
+split over ``thread_count`` reader threads in runs of neighbouring items (each thread reads
+mostly sequentially), balanced by bytes. Whatever is not a plain tensor blob (objects, other
+pickle forms, transformed streams) takes the safe ``torch.load`` path of ``DcpReader``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
+
+from ..core import CorruptCheckpointError
+from ..integrity import Manifest, ManifestEntry, check_digest, expected_entry
+from .torch_record import StoredTensor, locate_tensor_data, tensor_bytes
+
+__all__ = ["ItemGroup", "read_item_groups", "copy_region", "READ_PIECE", "SMALL_BLOB"]
+
+READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
+SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
+_HEAD = 4096  # a blob's first bytes: its zip headers and data.pkl, up to the tensor's data
+
+
+class ItemGroup:
+    """The read items served by one stored blob (``length`` bytes at ``offset`` of ``file``)."""
+
+    def __init__(self, file: str, offset: int, length: int, info: Any = None) -> None:
+        self.file, self.offset, self.length, self.info = file, offset, length, info
+        self.transformed = bool(getattr(info, "transform_descriptors", None))
+        self.items: List[ReadItem] = []
+
+
+# apply_blob(group, blob_bytes): the caller's checked torch.load path for a group
+Fallback = Callable[[ItemGroup, bytes], None]
+
+
+class _Lane:
+    """One reader thread's open files and scratch buffer."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.files: Dict[str, Tuple[int, int]] = {}
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    def open(self, group: ItemGroup) -> Tuple[int, int]:
+        if group.file not in self.files:
+            path = self.root / group.file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"data file {path} is missing; it holds '{group.items[0].storage_index.fqn}'"
+                ) from None
+            self.files[group.file] = (fd, os.fstat(fd).st_size)
+        return self.files[group.file]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        if self.scratch.numel() < nbytes:
+            self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return self.scratch[:nbytes]
+
+    def close(self) -> None:
+        for fd, _ in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: Path, hasher: Any) -> None:
+    done = 0
+    while done < len(view):
+        piece = view[done : done + READ_PIECE]
+        n = os.preadv(fd, [piece], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {offset + done}; the file is truncated")
+        if hasher is not None:
+            hasher.update(piece[:n])
+        done += n
+
+
+def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
+    """Runs of neighbouring groups (sorted by file and offset), about equal in bytes."""
+    ordered = sorted(groups, key=lambda g: (g.file, g.offset))
+    if count <= 1 or len(ordered) <= 1:
+        return [ordered]
+    share = sum(g.length for g in ordered) / count
+    lanes: List[List[ItemGroup]] = [[]]
+    filled = 0
+    for g in ordered:
+        if filled >= share and len(lanes) < count:
+            lanes.append([])
+            filled = 0
+        lanes[-1].append(g)
+        filled += g.length
+    return lanes
+
+
+class _GroupReader:
+    def __init__(self, root: Path, planner: LoadPlanner, manifest: Optional[Manifest], fallback: Fallback) -> None:
+        self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
+
+    def read(self, lane: _Lane, group: ItemGroup) -> None:
+        path = self.root / group.file
+        fd, file_size = lane.open(group)
+        what = f"'{group.items[0].storage_index.fqn}'"
+        if group.offset + group.length > file_size:
+            raise CorruptCheckpointError(
+                f"{path}: {what} is recorded at bytes [{group.offset}, {group.offset}+{group.length}) but the file "
+                f"has {file_size} bytes; the file is truncated or the metadata is damaged"
+            )
+        entry = None if self.manifest is None else expected_entry(self.manifest, self.root, group.file, group.offset, what)
+        plain = not group.transformed and all(i.type == LoadItemType.TENSOR for i in group.items)
+        if not plain or group.length <= SMALL_BLOB:
+            self._read_whole(lane, fd, group, entry, what, plain)
+        else:
+            self._read_large(lane, fd, group, entry, what)
+
+    def _check(self, group: ItemGroup, entry: Optional[ManifestEntry], hasher: Any, what: str) -> None:
+        if entry is not None:
+            check_digest(self.root, group.file, group.offset, entry, group.length, hasher.hexdigest(), what)
+
+    def _read_whole(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str,
+                    plain: bool) -> None:
+        path = self.root / group.file
+        buffer = lane.buffer(group.length)
+        view = tensor_bytes(buffer)
+        hasher = xxhash.xxh3_64() if entry is not None else None
+        _read_into(fd, view, group.offset, path, hasher)
+        self._check(group, entry, hasher, what)
+        stored = locate_tensor_data(view, view, group.length) if plain else None
+        if stored is None:
+            self.fallback(group, bytes(view))
+            return
+        self._scatter(buffer, stored, group, path)
+
+    def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
+        path = self.root / group.file
+        edge = min(_HEAD, group.length)
+        head = os.pread(fd, edge, group.offset)
+        tail_start = group.length - edge
+        tail = os.pread(fd, edge, group.offset + tail_start)
+        stored = locate_tensor_data(memoryview(head), memoryview(tail), group.length)
+        if stored is None or stored.data_offset > len(head) or stored.data_offset + stored.nbytes < tail_start:
+            self._read_whole(lane, fd, group, entry, what, plain=False)
+            return
+        hasher = xxhash.xxh3_64() if entry is not None else None
+        if hasher is not None:
+            hasher.update(head[: stored.data_offset])
+        target = self._direct_target(group, stored)
+        if target is not None:
+            _read_into(fd, tensor_bytes(target), group.offset + stored.data_offset, path, hasher)
+        else:
+            buffer = lane.buffer(stored.nbytes)
+            _read_into(fd, tensor_bytes(buffer), group.offset + stored.data_offset, path, hasher)
+        if hasher is not None:
+            hasher.update(tail[stored.data_offset + stored.nbytes - tail_start :])
+        self._check(group, entry, hasher, what)
+        if target is not None:
+            self.planner.commit_tensor(group.items[0], target)
+        else:
+            self._scatter(buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+
+    def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
+        """The destination itself, when the one read item takes the whole chunk into
+        contiguous memory of the stored dtype."""
+        if len(group.items) != 1:
+            return None
+        item = group.items[0]
+        if any(item.storage_offsets) or tuple(item.lengths) != stored.shape:
+            return None
+        target = self.planner.resolve_tensor(item).detach()
+        if target.dtype != stored.dtype or tuple(target.shape) != stored.shape or not target.is_contiguous():
+            return None
+        return target
+
+    def _scatter(self, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
+        data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
+        source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
+        for item in group.items:
+            copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
+
+
+def copy_region(source: torch.Tensor, item: ReadItem, planner: LoadPlanner, what: str) -> None:
+    """Copy the region of the stored chunk ``source`` that ``item`` asks for into its
+    destination, after checking that the chunk has the axes, extent and dtype promised."""
+    if source.dim() != len(item.storage_offsets):
+        raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
+    region = source
+    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+        if start + length > region.shape[dim]:
+            raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(source.shape)} is smaller than .metadata says")
+        region = region.narrow(dim, start, length)
+    target = planner.resolve_tensor(item).detach()
+    if target.shape != region.shape or target.dtype != region.dtype:
+        raise CorruptCheckpointError(
+            f"{what}: stored chunk has {region.dtype} {tuple(region.shape)}, .metadata promised "
+            f"{target.dtype} {tuple(target.shape)}"
+        )
+    target.copy_(region)
+    planner.commit_tensor(item, target)
+
+
+def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, manifest: Optional[Manifest],
+                     fallback: Fallback, thread_count: int) -> None:
+    """Read every group into the planner's destinations with ``thread_count`` threads; the
+    first error of any thread is raised here once all have stopped."""
+    reader = _GroupReader(Path(root), planner, manifest, fallback)
+    lanes = _split_lanes(groups, thread_count)
+    errors: List[BaseException] = []
+    failed = threading.Event()
+
+    def run(lane_groups: List[ItemGroup]) -> None:
+        lane = _Lane(Path(root))
+        try:
+            for group in lane_groups:
+                if failed.is_set():
+                    return
+                reader.read(lane, group)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(e)
+            failed.set()
+        finally:
+            lane.close()
+
+    # each thread runs in a copy of the caller's context (verification and trusted-unpickling
+    # settings are context variables)
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, lane_groups),
+                                name=f"dist_ckpt-reader-{i}") for i, lane_groups in enumerate(lanes[1:], 1)]
+    for t in threads:
+        t.start()
+    run(lanes[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
