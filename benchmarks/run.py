@@ -1,19 +1,32 @@
-"""Save and load, side by side in one run: raw file I/O, torch.save/torch.load, plain PyTorch
-DCP, Megatron-Core (when installed) and dist_ckpt, on the same GPT-like state.
+"""dist_ckpt against the raw file I/O ceiling, torch.save/torch.load, plain PyTorch DCP and
+Megatron-Core (when installed), on the same GPT-like state, in one run.
+
+    python benchmarks/run.py                      # ~1 GiB state, 3 repeats, a few minutes
+    python benchmarks/run.py --size-mib 256 --repeat 2 --json out.json
 
 2 gloo ranks each hold their share of a tensor-parallel-split state (bf16 weights, fp32
-optimizer moments, replicated layernorms). Each repeat runs every tool in turn (the order
-rotates between repeats, so no tool always runs on a warm or cold machine):
-  save           - until durable: every tool's files fsynced (the raw and torch.save
-                   baselines fsync explicitly; DCP, Megatron-Core and dist_ckpt do it themselves);
-  load           - the same layout, cold page cache (posix_fadvise(DONTNEED) on every file
-                   after the save), into preallocated tensors;
-  load_resharded - one process, no process group, every tensor whole (dist_ckpt: from the
-                   2-rank checkpoint; the baselines that cannot reshard are not measured).
-Reported: median, min and max seconds per (tool, phase), ratios against raw I/O, and the same
-as JSON (--json). Timing assertions stay out of the tests; this is where speed is measured.
+optimizer moments, replicated layernorms). One warm-up round is run and discarded (the first
+writes of a fresh VM are slow: the host faults in page-cache memory); then each repeat runs
+every tool in turn, in an order that rotates between repeats. Phases:
 
-    python benchmarks/run.py --size-mib 512 --repeat 3
+  save            until durable (raw and torch.save fsync explicitly; the others themselves);
+  load            same layout, cold page cache (fsync + posix_fadvise(DONTNEED) on every
+                  file), into preallocated, already touched tensors;
+  load_cached     the same load again, files in the page cache;
+  load_resharded  the 2-rank checkpoint loaded whole by 1 rank (cold cache; tools that
+                  cannot reshard are not measured);
+  save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
+                  every millisecond: the process's RSS above its value before the phase);
+  async_*         dist_ckpt's async save with its persistent writer process: how long the
+                  training loop is blocked, how much a training step (a matmul loop) slows
+                  while the write runs, and the extra memory; the staging buffers are reused
+                  from the previous save, as in a training run;
+  small_*         N tensors of 4 KiB per rank (--small 1000,20000,...): save and load seconds,
+                  dist_ckpt and Megatron-Core (the latter up to 20,000).
+
+Printed: median, min and max per (tool, phase), GB/s, ratios against raw I/O and
+Megatron-Core, and the same as JSON (--json). Timing assertions stay out of the tests; this
+is where speed is measured.
 """
 
 from __future__ import annotations
@@ -21,25 +34,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # megatron_cpu: the CPU shims for megatron-core's save
+sys.path.insert(0, str(ROOT))
 
 import dist_ckpt  # noqa: E402
 from dist_ckpt import ShardedTensor  # noqa: E402
 from dist_ckpt.launch import run_distributed  # noqa: E402
+from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
 
 WORLD = 2
+Times = Dict[str, Dict[str, List[float]]]
 
 
 def model_state(size_mib: int, rank: int, world: int) -> Dict[str, tuple]:
@@ -60,7 +79,13 @@ def model_state(size_mib: int, rank: int, world: int) -> Dict[str, tuple]:
     return state
 
 
-def _sharded(state: Dict[str, tuple], rank: int, world: int, module=None) -> dict:
+def small_state(count: int, rank: int) -> Dict[str, tuple]:
+    """``count`` tensors of 4 KiB per rank (1024 fp32, split in 2 along axis 0)."""
+    gen = torch.Generator().manual_seed(rank)
+    return {f"small.{i}": (torch.randn(1024, generator=gen), 0) for i in range(count)}
+
+
+def _sharded(state: Dict[str, tuple], rank: int, world: int, module: Any = None) -> dict:
     cls = (module or dist_ckpt.mapping).ShardedTensor
     out = {}
     for key, (tensor, axis) in state.items():
@@ -91,13 +116,43 @@ def _fsync_tree(directory: Path) -> None:
             os.close(fd)
 
 
+class PeakRss:
+    """Peak resident memory above the value at entry, sampled every millisecond (MiB)."""
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.extra_mib = 0.0
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def __enter__(self) -> "PeakRss":
+        self._start = self._rss()
+        self._peak = self._start
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.001):
+            self._peak = max(self._peak, self._rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._rss())
+        self.extra_mib = (self._peak - self._start) / 2**20
+
+
 # -- the tools: save(dir) and load(dir) on every rank -----------------------------------------------
 
 def _tools(state: Dict[str, tuple], rank: int, world: int) -> Dict[str, tuple]:
     import torch.distributed.checkpoint as dcp
 
     tensors = {k: t for k, (t, _) in state.items()}
-    targets = {k: torch.empty_like(t) for k, t in tensors.items()}
+    targets = {k: torch.zeros_like(t) for k, t in tensors.items()}  # touched: not counted as extra memory
 
     def raw_save(d: Path) -> None:
         d.mkdir(parents=True, exist_ok=True)
@@ -136,11 +191,8 @@ def _tools(state: Dict[str, tuple], rank: int, world: int) -> Dict[str, tuple]:
 
     tools = {"raw": (raw_save, raw_load), "torch.save": (torch_save, torch_load), "dcp": (dcp_save, dcp_load),
              "dist_ckpt": (ours_save, ours_load)}
-    try:
-        from megatron_cpu import megatron_dist_checkpointing
-
-        mdc = megatron_dist_checkpointing()
-
+    mdc = _megatron()
+    if mdc is not None:
         def mcore_save(d: Path) -> None:
             if rank == 0:
                 d.mkdir(parents=True, exist_ok=True)
@@ -151,84 +203,230 @@ def _tools(state: Dict[str, tuple], rank: int, world: int) -> Dict[str, tuple]:
             mdc.load(_sharded({k: (targets[k], a) for k, (_, a) in state.items()}, rank, world, mdc.mapping), str(d))
 
         tools["megatron-core"] = (mcore_save, mcore_load)
-    except ImportError:
-        pass
     return tools
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
+def _megatron() -> Any:
+    try:
+        from megatron_cpu import megatron_dist_checkpointing
+
+        return megatron_dist_checkpointing()
+    except ImportError:
+        return None
 
 
-def _rank_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Dict[str, Dict[str, List[float]]]:
+def _timed(fn: Callable[[], None], memory: Optional[List[float]] = None) -> float:
+    dist.barrier()
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        seconds = time.perf_counter() - start
+    if memory is not None:
+        memory.append(rss.extra_mib)
+    return seconds
+
+
+def _add(times: Times, tool: str, phase: str, value: float) -> None:
+    times.setdefault(tool, {}).setdefault(phase, []).append(value)
+
+
+def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Times:
     state = model_state(size_mib, rank, world)
     tools = _tools(state, rank, world)
     names = list(tools)
-    times: Dict[str, Dict[str, List[float]]] = {n: {"save": [], "load": []} for n in names}
-    for r in range(repeat):
+    times: Times = {}
+    for r in range(repeat + 1):  # round 0: warm-up, discarded
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             save, load = tools[name]
             d = Path(root) / f"{name}-{r}"
-            times[name]["save"].append(_timed(lambda: save(d)))
+            save_mem: List[float] = []
+            load_mem: List[float] = []
+            t_save = _timed(lambda: save(d), save_mem)
             if rank == 0:
                 _drop_cache(d)  # every rank's files: they all sit in d
             dist.barrier()
-            times[name]["load"].append(_timed(lambda: load(d)))
+            t_load = _timed(lambda: load(d), load_mem)
+            t_cached = _timed(lambda: load(d))
+            if r > 0:
+                for phase, value in (("save", t_save), ("load", t_load), ("load_cached", t_cached),
+                                     ("save_mem", save_mem[0]), ("load_mem", load_mem[0])):
+                    _add(times, name, phase, value)
             dist.barrier()
-            if r < repeat - 1 and rank == 0:
+            if r < repeat and rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
+    _update(times, _async_phases(state, rank, world, Path(root), repeat))
     return times
 
 
-def _resharded_loads(root: Path, repeat: int) -> Dict[str, List[float]]:
-    """dist_ckpt loads the last 2-rank checkpoint whole, in one process."""
-    ckpt = next(p for p in sorted(root.iterdir()) if p.name.startswith("dist_ckpt-"))
-    metadata = dist_ckpt.load_tensors_metadata(ckpt)
-    out = []
-    for _ in range(repeat):
-        _drop_cache(ckpt)
-        request = {k: ShardedTensor.from_rank_offsets(k, torch.empty(sh.global_shape, dtype=sh.dtype))
-                   for k, sh in metadata.items()}
-        start = time.perf_counter()
-        dist_ckpt.load(request, ckpt)
-        out.append(time.perf_counter() - start)
-    return {"dist_ckpt": out}
+def _update(times: Times, more: Times) -> None:
+    for tool, phases in more.items():
+        times.setdefault(tool, {}).update(phases)
 
 
-def main(argv: List[str] | None = None) -> None:
+def _training_step(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    for _ in range(4):
+        a = torch.tanh(a @ b)
+    return time.perf_counter() - start
+
+
+def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, repeat: int) -> Times:
+    """Blocking time, step slowdown and extra memory of dist_ckpt's async save (persistent
+    writer process); the first save (which allocates the staging buffers) is a warm-up."""
+    torch.set_num_threads(1)  # one core per rank, as a training process bound to its core
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    baseline = statistics.median(_training_step(a, b) for _ in range(30))
+    strategy = TorchDistSaveShardedStrategy(async_writer="process")
+    queue = AsyncCallsQueue()
+    times: Times = {}
+    try:
+        for r in range(repeat + 1):
+            d = root / f"async-{r}"
+            dist.barrier()
+            with PeakRss() as rss:
+                start = time.perf_counter()
+                request = dist_ckpt.save(_sharded(state, rank, world), d, sharded_strategy=strategy,
+                                         async_sharded_save=True)
+                queue.schedule_async_request(request)
+                blocked = time.perf_counter() - start
+                steps = []
+                while queue.get_num_unfinalized_calls():
+                    steps.append(_training_step(a, b))
+                    queue.maybe_finalize_async_calls(blocking=False)
+                total = time.perf_counter() - start
+            if r > 0:
+                _add(times, "dist_ckpt", "async_blocked", blocked)
+                _add(times, "dist_ckpt", "async_total", total)
+                _add(times, "dist_ckpt", "async_step_slowdown", statistics.median(steps) / baseline - 1 if steps else 0.0)
+                _add(times, "dist_ckpt", "async_mem", rss.extra_mib)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        queue.close()
+        torch.set_num_threads(os.cpu_count() or 1)
+    return times
+
+
+def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int) -> Times:
+    mdc = _megatron()
+    times: Times = {}
+    for count in counts:
+        state = small_state(count, rank)
+        targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
+        tools: Dict[str, tuple] = {
+            "dist_ckpt": (lambda d, s=state: dist_ckpt.save(_sharded(s, rank, world), d),
+                          lambda d, t=targets: dist_ckpt.load(_sharded(t, rank, world), d)),
+        }
+        if mdc is not None and count <= 20000:
+            def mcore_save(d: Path, s: Dict[str, tuple] = state) -> None:
+                if rank == 0:
+                    d.mkdir(parents=True, exist_ok=True)
+                dist.barrier()
+                mdc.save(_sharded(s, rank, world, mdc.mapping), str(d))
+
+            tools["megatron-core"] = (mcore_save,
+                                      lambda d, t=targets: mdc.load(_sharded(t, rank, world, mdc.mapping), str(d)))
+        for r in range(repeat):
+            for name, (save, load) in tools.items():
+                d = Path(root) / f"small-{name}-{count}-{r}"
+                _add(times, name, f"small_save_{count}", _timed(lambda: save(d)))
+                _add(times, name, f"small_load_{count}", _timed(lambda: load(d)))
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(d, ignore_errors=True)
+    return times
+
+
+def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
+    """One rank loads each tool's last 2-rank checkpoint whole (dist_ckpt and Megatron-Core)."""
+    times: Times = {}
+    mdc = _megatron()
+    for name in ("dist_ckpt", "megatron-core"):
+        ckpt = Path(root) / f"{name}-{repeat}"
+        if not ckpt.exists() or (name == "megatron-core" and mdc is None):
+            continue
+        metadata = dist_ckpt.load_tensors_metadata(ckpt)
+        targets = {k: torch.zeros(sh.global_shape, dtype=sh.dtype) for k, sh in metadata.items()}
+        module = dist_ckpt.mapping if name == "dist_ckpt" else mdc.mapping
+        load = dist_ckpt.load if name == "dist_ckpt" else mdc.load
+        for _ in range(repeat):
+            _drop_cache(ckpt)
+            request = {k: module.ShardedTensor.from_rank_offsets(k, t) for k, t in targets.items()}
+            _add(times, name, "load_resharded", _timed(lambda: load(request, str(ckpt))))
+    return times
+
+
+def _merge(per_rank: List[Times]) -> Times:
+    """A phase's value is the slowest (largest) rank's (every phase ends in a barrier)."""
+    merged: Times = {}
+    for tool, phases in per_rank[0].items():
+        for phase, values in phases.items():
+            merged.setdefault(tool, {})[phase] = [max(r[tool][phase][i] for r in per_rank) for i in range(len(values))]
+    return merged
+
+
+def _table(results: Times, nbytes: int) -> List[str]:
+    lines = [f"{'tool':<15}{'phase':<26}{'median':>9}{'min':>9}{'max':>9}{'GB/s':>7}{'/raw':>7}{'/mcore':>8}"]
+    for tool, phases in results.items():
+        for phase, values in phases.items():
+            med = statistics.median(values)
+            unit = phase.endswith("_mem") or phase.endswith("slowdown")
+            speed = "" if unit or phase.startswith("small") or phase.startswith("async") else f"{nbytes / med / 1e9:.2f}"
+            raw = results.get("raw", {}).get(phase)
+            mcore = results.get("megatron-core", {}).get(phase)
+            vs_raw = f"{statistics.median(raw) / med:.2f}" if raw and not unit else ""
+            vs_mcore = f"{statistics.median(mcore) / med:.2f}" if mcore and not unit and med else ""
+            fmt = "{:>9.3f}"
+            lines.append(f"{tool:<15}{phase:<26}{fmt.format(med)}{fmt.format(min(values))}{fmt.format(max(values))}"
+                         f"{speed:>7}{vs_raw:>7}{vs_mcore:>8}")
+    return lines
+
+
+def _ratios(results: Times) -> str:
+    ours, raw, mc = results["dist_ckpt"], results["raw"], results.get("megatron-core", {})
+    med = {k: statistics.median(v) for k, v in ours.items()}
+    parts = [f"save {statistics.median(raw['save']) / med['save']:.2f} of raw",
+             f"load {statistics.median(raw['load']) / med['load']:.2f} of raw"]
+    if "load_resharded" in med:
+        parts.append(f"resharded/same-layout load {med['load_resharded'] / med['load']:.2f}x")
+    if "async_blocked" in med:
+        parts.append(f"async blocked {med['async_blocked'] / med['save']:.1%} of a sync save, "
+                     f"step slowdown {med['async_step_slowdown']:+.1%}")
+    for phase in ("save", "load", "load_resharded"):
+        if phase in mc and phase in med:
+            parts.append(f"{phase} {statistics.median(mc[phase]) / med[phase]:.2f}x faster than Megatron-Core")
+    return "ratios: " + "; ".join(parts)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=int, default=512, help="total state over both ranks")
+    parser.add_argument("--size-mib", type=int, default=1084, help="total state over both ranks")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--small", default="1000,20000,100000", help="tensor counts per rank ('' to skip)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir=args.dir))
     try:
-        per_rank = run_distributed(_rank_job, WORLD, str(root), args.size_mib, args.repeat)
-        # a phase's time is the slowest rank's (every phase ends in a barrier, so they agree)
-        results = {tool: {phase: [max(r[tool][phase][i] for r in per_rank) for i in range(args.repeat)]
-                          for phase in ("save", "load")} for tool in per_rank[0]}
-        for tool, values in _resharded_loads(root, args.repeat).items():
-            results[tool]["load_resharded"] = values
+        results = _merge(run_distributed(_main_job, WORLD, str(root), args.size_mib, args.repeat))
+        _update(results, run_distributed(_resharded_job, 1, str(root), args.repeat)[0])
+        counts = [int(c) for c in args.small.split(",") if c]
+        if counts:
+            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
         nbytes = sum(t.numel() * t.element_size() for w in range(WORLD)
                      for t, _ in model_state(args.size_mib, w, WORLD).values())
-        print(f"{nbytes / 2**30:.2f} GiB over {WORLD} gloo ranks, {args.repeat} repeats, cold page cache for loads")
-        print(f"{'tool':<15}{'phase':<16}{'median s':>10}{'min':>8}{'max':>8}{'GB/s':>8}{'vs raw':>8}")
-        for tool, phases in results.items():
-            for phase, values in phases.items():
-                med = statistics.median(values)
-                raw = statistics.median(results["raw"].get(phase, results["raw"]["load"]))
-                print(f"{tool:<15}{phase:<16}{med:>10.3f}{min(values):>8.3f}{max(values):>8.3f}"
-                      f"{nbytes / med / 1e9:>8.2f}{raw / med:>8.2f}")
+        machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+        print(f"{nbytes / 2**30:.2f} GiB over {WORLD} gloo ranks, {args.repeat} repeats (+1 warm-up), {machine}")
+        print("seconds, except *_mem (MiB per rank) and async_step_slowdown (fraction)")
+        print("\n".join(_table(results, nbytes)))
+        print(_ratios(results))
         if args.json:
             Path(args.json).write_text(json.dumps({"bytes": nbytes, "world": WORLD, "repeat": args.repeat,
-                                                   "seconds": results}, indent=1))
+                                                   "machine": machine, "results": results}, indent=1))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
