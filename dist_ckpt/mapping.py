@@ -12,6 +12,7 @@ the key, raised where the mistake is made rather than as corrupt data later.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -245,7 +246,11 @@ class ShardedTensor(ShardedBase):
 
     # -- data -----------------------------------------------------------------------------
     def without_data(self) -> "ShardedTensor":
-        return replace(self, data=None)
+        # a shallow copy: the fields were validated when this object was made (a save of many
+        # small tensors would otherwise spend much of its planning validating them again)
+        clone = copy.copy(self)
+        clone.data = None
+        return clone
 
     def init_data(self, device: Union[str, torch.device], init_fn: Callable = torch.empty) -> None:
         """Allocate ``data`` (only if it is None) with ``init_fn(shape, dtype=, device=)``."""

@@ -277,7 +277,10 @@ class _ViewLoadPlanner(LoadPlanner):
         task = self._tasks[read_item.dest_index.index]
         sh = self._requests[task.request]
         if task.direct is not None:
-            return self._box_view(task.request)[task.direct.slices_in(sh.global_box())]
+            box = sh.global_box()
+            if task.direct == box:  # the whole request (same layout): no slicing
+                return self._box_view(task.request)
+            return self._box_view(task.request)[task.direct.slices_in(box)]
         return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:

@@ -128,6 +128,7 @@ def make_global_save_plan(
     state_dict_metadata: Dict[str, object] = {}
     mcore_data: Dict[str, dict] = {}
     plans: List[SavePlan] = []
+    properties_of: Dict[torch.dtype, TensorProperties] = {}  # shared: never changed after planning
     for plan in local_plans:
         items: List[WriteItem] = []
         for desc in plan.tensors:
@@ -141,7 +142,9 @@ def make_global_save_plan(
                 size, offsets, sizes = desc.global_shape, desc.box.offset, desc.box.shape
             mcore_data.setdefault(desc.key, {})
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            properties = TensorProperties(dtype=desc.dtype)
+            properties = properties_of.get(desc.dtype)
+            if properties is None:
+                properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
             items.append(
                 WriteItem(
                     index=MetadataIndex(desc.key, torch.Size(offsets)),

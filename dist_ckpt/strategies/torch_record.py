@@ -60,7 +60,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if flat.stride(0) != 1:  # a one-element tensor may keep any stride; its memory is contiguous
         flat = flat.as_strided((flat.numel(),), (1,))
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,17 +141,29 @@ def _padding(position: int, name_len: int, extra_len: int) -> bytes:
 @dataclass
 class _Record:
     name: bytes
-    data: Any  # bytes or a memoryview of tensor memory
+    data: Any  # bytes, or _Sized for the tensor's data (only its length is needed)
     crc: int
     offset: int = 0
 
 
-def _records(tensor: torch.Tensor, data: memoryview, zip_crc32: bool) -> List[_Record]:
-    pkl = _tensor_pickle(tensor.dtype, tuple(tensor.shape))
+class _Sized:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+_DATA_NAME = (_PREFIX + "data/0").encode()
+_LOCAL_CRC_AT, _CENTRAL_CRC_AT = 14, 16  # where the CRC32 field sits in a local / central header
+
+
+def _records(dtype: torch.dtype, shape: Tuple[int, ...], nbytes: int) -> List[_Record]:
+    pkl = _tensor_pickle(dtype, shape)
     items = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()),
-             ("byteorder", b"little"), ("data/0", data), ("version", b"3\n"),
+             ("byteorder", b"little"), ("data/0", _Sized(nbytes)), ("version", b"3\n"),
              (".data/serialization_id", b"0" * 40)]
-    return [_Record((_PREFIX + n).encode(), d, zlib.crc32(d) if zip_crc32 or len(d) < 4096 else 0) for n, d in items]
+    return [_Record((_PREFIX + n).encode(), d, zlib.crc32(d) if isinstance(d, bytes) else 0) for n, d in items]
 
 
 def _local_header(record: _Record, position: int) -> bytes:
@@ -165,16 +177,19 @@ def _local_header(record: _Record, position: int) -> bytes:
     return header + record.name + extra
 
 
-def _central_directory(records: List[_Record], start: int) -> bytes:
-    out = []
+def _central_directory(records: List[_Record], start: int) -> Tuple[bytes, List[int]]:
+    """The central directory and end records; and where each record's entry starts in it."""
+    out, at, pos = [], [], 0
     for r in records:
         size = len(r.data)
         big = size >= ZIP64_LIMIT or r.offset >= ZIP64_LIMIT
         extra = _zip64_extra(size, r.offset) if big else b""
         stored, offset = (_ZIP64_MARK, _ZIP64_MARK) if big else (size, r.offset)
-        out.append(_CENTRAL.pack(_CENTRAL_SIG, 45 if big else 20, 45 if big else 20, _UTF8_FLAG, 0, 0, _DOS_DATE,
-                                 r.crc, stored, stored, len(r.name), len(extra), 0, 0, 0, 0, offset))
-        out.append(r.name + extra)
+        entry = _CENTRAL.pack(_CENTRAL_SIG, 45 if big else 20, 45 if big else 20, _UTF8_FLAG, 0, 0, _DOS_DATE,
+                              r.crc, stored, stored, len(r.name), len(extra), 0, 0, 0, 0, offset) + r.name + extra
+        at.append(pos)
+        out.append(entry)
+        pos += len(entry)
     directory = b"".join(out)
     end = start + len(directory)
     n = len(records)
@@ -183,35 +198,77 @@ def _central_directory(records: List[_Record], start: int) -> bytes:
     fits = start < ZIP64_LIMIT and len(directory) < ZIP64_LIMIT
     eocd = _EOCD.pack(_EOCD_SIG, 0, 0, n, n, len(directory) if fits else _ZIP64_MARK,
                       start if fits else _ZIP64_MARK, 0)
-    return directory + eocd64 + locator + eocd
+    return directory + eocd64 + locator + eocd, at
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Everything of a blob but the tensor's bytes and their CRC32 (zeros at ``*_crc_at``)."""
+
+    prefix: bytes
+    suffix: bytes
+    prefix_crc_at: int
+    suffix_crc_at: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> _Layout:
+    """Built once per (dtype, shape): a model's tensors share few shapes, and the per-tensor
+    cost of many small tensors is then one CRC, two 4-byte patches and one write."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    records = _records(dtype, shape, numel * torch.empty(0, dtype=dtype).element_size())
+    before, after = bytearray(), bytearray()
+    position, prefix_crc_at = 0, -1
+    for r in records:
+        r.offset = position
+        header = _local_header(r, position)
+        position += len(header) + len(r.data)
+        if r.name == _DATA_NAME:
+            prefix_crc_at = len(before) + _LOCAL_CRC_AT
+            before += header
+        elif prefix_crc_at < 0:
+            before += header + r.data
+        else:
+            after += header + r.data
+    directory, entry_at = _central_directory(records, position)
+    data_entry = next(i for i, r in enumerate(records) if r.name == _DATA_NAME)
+    suffix_crc_at = len(after) + entry_at[data_entry] + _CENTRAL_CRC_AT
+    return _Layout(bytes(before), bytes(after + directory), prefix_crc_at, suffix_crc_at)
+
+
+def _with_crc(template: bytes, at: int, crc: int) -> bytes:
+    return template[:at] + struct.pack("<I", crc) + template[at + 4 :]
+
+
+_ONE_WRITE = 64 << 10  # a blob up to this size goes to the stream as one bytes object
 
 
 def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True) -> None:
     """Write ``tensor`` (contiguous, CPU) as a ``torch.save`` blob through ``write``.
 
     The tensor's bytes are passed as memoryviews of its memory in pieces of ``WRITE_PIECE``
-    (the caller may hash each piece while it is in cache); nothing of the data is copied.
+    (the caller may hash each piece while it is in cache); nothing of a large tensor's data is
+    copied (a small blob goes out as one bytes object: one call instead of three).
     ``zip_crc32=False`` writes 0 as the CRC of large data records, as torch.save does with
     ``torch.serialization.set_crc32_options(False)``: torch >= 2.6 (and so every Megatron-Core
     that runs on it) loads such files, zip tools and older torch report a CRC error. The
     dist_ckpt manifest's xxh3 covers the bytes either way."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("write_tensor_record needs a contiguous CPU tensor")
-    records = _records(tensor, tensor_bytes(tensor), zip_crc32)
-    position = 0
-    for r in records:
-        r.offset = position
-        header = _local_header(r, position)
-        write(header)
-        position += len(header)
-        data = r.data
-        if len(data) <= WRITE_PIECE:
-            write(data)
-        else:
-            for start in range(0, len(data), WRITE_PIECE):
-                write(data[start : start + WRITE_PIECE])
-        position += len(data)
-    write(_central_directory(records, position))
+    layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
+    data = tensor_bytes(tensor)
+    crc = zlib.crc32(data) if zip_crc32 or len(data) < _ONE_WRITE else 0
+    prefix = _with_crc(layout.prefix, layout.prefix_crc_at, crc)
+    suffix = _with_crc(layout.suffix, layout.suffix_crc_at, crc)
+    if len(data) <= _ONE_WRITE:
+        write(b"".join((prefix, data, suffix)))
+        return
+    write(prefix)
+    for start in range(0, len(data), WRITE_PIECE):
+        write(data[start : start + WRITE_PIECE])
+    write(suffix)
 
 
 # -- reading ---------------------------------------------------------------------------------------
