@@ -33,6 +33,7 @@ from .integrity import (
     verification,
 )
 from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .fingerprint import structure_fingerprint
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -320,7 +321,16 @@ class SaveTransaction:
 
     def stage(self) -> None:
         """Steps 1-2 in one collective: local metadata and config everywhere, the sharding check
-        and the staging directory on the coordinator."""
+        and the staging directory on the coordinator. With a strategy that caches metadata
+        (``cached_metadata=True``), the check is skipped when every rank's structure
+        fingerprint equals the one of the last checked save with that strategy."""
+        validate = self.validate_access_integrity
+        cache_owner = self.sharded_strategy if getattr(self.sharded_strategy, "cached_metadata", False) else None
+        fingerprint = None
+        if validate and cache_owner is not None:
+            fingerprint = structure_fingerprint(nested_values(self.sharded_part))
+            same = getattr(cache_owner, "validated_fingerprint", None) == fingerprint
+            validate = not self.dist.all_reduce_min(1 if same else 0)
 
         def local_metadata() -> Optional[List[ShardedBase]]:
             # Built (and validated) on every rank inside the shared step: a failure reaches all.
@@ -328,17 +338,19 @@ class SaveTransaction:
                 self.sharded_strategy.backend, self.sharded_strategy.version,
                 self.common_strategy.backend, self.common_strategy.version,
             )
-            if not self.validate_access_integrity:
+            if not validate:
                 return None
             return [sh.without_data() for sh in nested_values(self.sharded_part)]
 
         def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> str:
-            if self.validate_access_integrity:
+            if validate:
                 validate_sharding_integrity(global_metadata)  # before anything touches the disk
             self.staged = begin_save(self.target, self.overwrite)
             return str(self.staged.staging)
 
         self.staging = Path(self.dist.all_reduce(local_metadata, prepare))
+        if fingerprint is not None:
+            cache_owner.validated_fingerprint = fingerprint
         open_recorder(self.staging)
 
     def write(self) -> Optional[AsyncRequest]:

@@ -53,10 +53,12 @@ def _inject(case, rank):
     import dist_ckpt.strategies.torch_dist as torch_dist
 
     if case == "staging_out_of_memory" and rank == 1:
-        def stage_copy(tensor, shared=False):
+        import dist_ckpt.strategies.staging as staging
+
+        def new_buffer(self, like):
             raise MemoryError("cannot allocate the staging copy")
 
-        torch_dist.stage_copy = stage_copy
+        staging.StagingBuffers._new = new_buffer
     elif case == "config_fails" and rank == 1:
         def config(*args, **kwargs):
             raise ValueError("cannot build the config")

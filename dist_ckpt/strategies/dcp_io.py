@@ -100,7 +100,8 @@ def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Call
 
 
 def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                    recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True) -> List[WriteResult]:
+                    recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True,
+                    first_file: int = 0) -> List[WriteResult]:
     """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced
     once each; ``zip_crc32=False`` leaves the zip CRC fields 0 (see ``write_tensor_record``)."""
     buckets = _buckets(items, thread_count)
@@ -109,7 +110,7 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
 
     def run(i: int) -> None:
         try:
-            name = f"{prefix}{i}.distcp"
+            name = f"{prefix}{first_file + i}.distcp"
             results[i] = _write_one_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)

@@ -14,6 +14,7 @@ allocated), and reads them with bounds- and checksum-checked file access.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import pickle
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..collectives import DistWrapper
+from ..fingerprint import structure_fingerprint
 from ..core import (
     CheckpointingException,
     CorruptCheckpointError,
@@ -48,6 +50,7 @@ from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict,
 from ..safe_unpickle import safe_torch_load
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .staging import StagingBuffers
 from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .torch_dist_plan import (
     ReadTask,
@@ -90,16 +93,6 @@ class _ItemSource:
         return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
 
 
-def stage_copy(tensor: torch.Tensor, shared: bool = False) -> torch.Tensor:
-    """The copy an asynchronous save writes from, so that training may change ``tensor`` at
-    once; in shared memory when a writer process will read it (then it is not copied again)."""
-    if not shared:
-        return tensor.to("cpu", copy=True)
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-    copy.copy_(tensor)
-    return copy
-
-
 @dataclass
 class DcpWriteJob:
     """One rank's data files of a save: picklable, so that it runs in a thread of this process
@@ -112,12 +105,13 @@ class DcpWriteJob:
     objects: Dict[str, bytes]
     thread_count: int = 1
     zip_crc32: bool = True
+    first_file: int = 0  # file numbers start here (a save may write its files in two parts)
 
     def __call__(self) -> Tuple[List[Any], List[Any]]:
         recorder = Recorder()
         results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
                                   _ItemSource(self.tensors, self.objects), recorder, self.thread_count,
-                                  self.zip_crc32)
+                                  self.zip_crc32, self.first_file)
         fsync_directory(self.checkpoint_dir)
         return results, recorder.entries()
 
@@ -134,13 +128,20 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             False writes 0 there, as ``torch.serialization.set_crc32_options(False)`` does:
             torch >= 2.6 and Megatron-Core load the files, zip tools and older torch do not;
             dist_ckpt's own xxh3 checksums cover every byte either way.
+        async_staging_budget: bytes per rank an asynchronous save may copy (``staging``): the
+            copies are reused by the next save; tensors beyond the budget are written before
+            ``async_save`` returns. None: stage everything.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
-                 async_writer: str = "thread", zip_crc32: bool = True) -> None:
-        """Megatron-Core's arguments are accepted: ``cached_metadata`` and ``separation_hint``
-        change nothing here (planning is cheap and files are split by ``thread_count``);
+                 async_writer: str = "thread", zip_crc32: bool = True,
+                 async_staging_budget: Optional[int] = None) -> None:
+        """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
+        structure fingerprint (``fingerprint.structure_fingerprint``) is the same on every rank
+        as in this strategy's previous save reuses that save's plan instead of gathering all
+        ranks' shard descriptions (one small all-reduce instead); any change plans anew.
+        ``separation_hint`` changes nothing (files are split by ``thread_count``);
         ``keep_only_main_replica=False`` (writing replicas too) is refused."""
         super().__init__(backend, version)
         if not keep_only_main_replica:
@@ -148,11 +149,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                                          "written (use FullyParallelSaveStrategyWrapper to spread them)")
         self.cached_metadata = cached_metadata
         self.separation_hint = separation_hint
+        # (fingerprint, this rank's plan, the global metadata on the coordinator) of the last plan
+        self._cached_plan: Optional[Tuple[str, SavePlan, Optional[Metadata]]] = None
+        self.plans_made = 0  # how many saves planned with a gather (the others reused the cache)
         if async_writer not in ("thread", "process"):
             raise CheckpointingException(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
         self.async_writer = async_writer
         self.zip_crc32 = zip_crc32
+        self.async_staging_budget = async_staging_budget
+        self._staging: Optional[StagingBuffers] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -172,45 +178,83 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
         recorder = recorder_for(checkpoint_dir)
         global_metadata: List[Metadata] = []
-
-        def global_step(all_local: List[Any]) -> List[SavePlan]:
-            plans, metadata = make_global_save_plan(all_local)
-            global_metadata.append(metadata)
-            return plans
-
         object_blobs: Dict[str, bytes] = {}
+        plan = self._cached_plan_for(dist, leaves) if self.cached_metadata else None
+        if plan is not None:
+            object_blobs.update(dist.all_run(lambda: _serialize_objects(objects)))
+            global_metadata.append(copy.copy(self._cached_plan[2]) if dist.is_coordinator else None)
+        else:
+            def global_step(all_local: List[Any]) -> List[SavePlan]:
+                plans, metadata = make_global_save_plan(all_local)
+                global_metadata.append(metadata)
+                return plans
 
-        def local_step() -> Any:
-            object_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
-            return make_local_save_plan(tensors, objects)
+            def local_step() -> Any:
+                object_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
+                return make_local_save_plan(tensors, objects)
 
-        plan: SavePlan = dist.reduce_scatter(local_step, global_step)
+            plan = dist.reduce_scatter(local_step, global_step)
+            self.plans_made += 1
+            if self.cached_metadata:
+                metadata = global_metadata[0] if global_metadata else None
+                self._cached_plan = (structure_fingerprint(leaves), plan, copy.copy(metadata))
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         sources: Dict[MetadataIndex, torch.Tensor] = {}
+        direct: List[WriteItem] = []  # written now, from the live tensors (beyond the staging budget)
 
         def stage_tensors() -> None:
-            for item, sh in zip(tensor_items, tensors):
-                data = sh.data.detach()
-                sources[item.index] = stage_copy(data, shared=self.async_writer == "process") if stage else data
+            live = [sh.data.detach() for sh in tensors]
+            staged = self._staging_buffers().stage(live) if stage else live
+            for item, copy_, data in zip(tensor_items, staged, live):
+                sources[item.index] = copy_ if copy_ is not None else data
+                if copy_ is None:
+                    direct.append(item)
 
         dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
-        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", plan.items, sources, object_blobs, self.thread_count,
+        direct_written: List[Any] = [[], []]
+        if direct:
+            def write_direct() -> None:
+                job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", direct, {i.index: sources.pop(i.index) for i in direct},
+                                  {}, self.thread_count, self.zip_crc32, first_file=self.thread_count)
+                direct_written[:] = job()
+
+            dist.all_run(write_direct)
+        background = [item for item in plan.items if item not in direct] if direct else plan.items
+        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", background, sources, object_blobs, self.thread_count,
                           self.zip_crc32)
         request = AsyncRequest(job, (), [])
+        if stage:
+            request.add_cleanup_fn(self._staging_buffers().release)
 
         def finish_metadata() -> None:
+            if stage:
+                self._staging_buffers().release()
             write_results, entries = request.async_result
+            write_results, entries = write_results + direct_written[0], entries + direct_written[1]
             for e in entries:
                 recorder.add(e.file, e.offset, e.length, e.hash, e.key)
 
             def commit(all_results: List[List[Any]]) -> None:
-                write_dcp_metadata(checkpoint_dir, global_metadata[0], [r for rs in all_results for r in rs], recorder)
+                write_dcp_metadata(checkpoint_dir, global_metadata[-1], [r for rs in all_results for r in rs], recorder)
 
             dist.all_reduce(lambda: write_results, commit)
 
         request.add_finalize_fn(finish_metadata)
         request.preferred_caller = "process" if self.async_writer == "process" else "thread"
         return request
+
+    def _staging_buffers(self) -> StagingBuffers:
+        if self._staging is None:
+            self._staging = StagingBuffers(self.async_staging_budget, shared=self.async_writer == "process")
+        return self._staging
+
+    def _cached_plan_for(self, dist: DistWrapper, leaves: List[Any]) -> Optional[SavePlan]:
+        """The previous save's plan if every rank's structure fingerprint is unchanged."""
+        fingerprint = structure_fingerprint(leaves)
+        same = self._cached_plan is not None and self._cached_plan[0] == fingerprint
+        if not dist.all_reduce_min(1 if same else 0):
+            return None
+        return self._cached_plan[1]
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
