@@ -17,7 +17,7 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   cannot reshard are not measured);
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
-  async_*         dist_ckpt's async save with its persistent writer process: how long the
+  async_*         dist_ckpt's async save (persistent writer process, cached metadata): how long the
                   training loop is blocked, how much a training step (a matmul loop) slows
                   while the write runs, and the extra memory; the staging buffers are reused
                   from the previous save, as in a training run;
@@ -52,7 +52,6 @@ sys.path.insert(0, str(ROOT / "tests"))  # megatron_cpu: the CPU shims for megat
 sys.path.insert(0, str(ROOT))
 
 import dist_ckpt  # noqa: E402
-from dist_ckpt import ShardedTensor  # noqa: E402
 from dist_ckpt.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
@@ -231,12 +230,12 @@ def _add(times: Times, tool: str, phase: str, value: float) -> None:
     times.setdefault(tool, {}).setdefault(phase, []).append(value)
 
 
-def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Times:
+def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, parts: set) -> Times:
     state = model_state(size_mib, rank, world)
     tools = _tools(state, rank, world)
     names = list(tools)
     times: Times = {}
-    for r in range(repeat + 1):  # round 0: warm-up, discarded
+    for r in range(repeat + 1 if "main" in parts else 0):  # round 0: warm-up, discarded
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             save, load = tools[name]
@@ -257,7 +256,8 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> T
             if r < repeat and rank == 0:
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
-    _update(times, _async_phases(state, rank, world, Path(root), repeat))
+    if "async" in parts:
+        _update(times, _async_phases(state, rank, world, Path(root), repeat))
     return times
 
 
@@ -279,7 +279,7 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
     torch.set_num_threads(1)  # one core per rank, as a training process bound to its core
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     baseline = statistics.median(_training_step(a, b) for _ in range(30))
-    strategy = TorchDistSaveShardedStrategy(async_writer="process")
+    strategy = TorchDistSaveShardedStrategy(async_writer="process", cached_metadata=True)
     queue = AsyncCallsQueue()
     times: Times = {}
     try:
@@ -330,7 +330,7 @@ def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int)
 
             tools["megatron-core"] = (mcore_save,
                                       lambda d, t=targets: mdc.load(_sharded(t, rank, world, mdc.mapping), str(d)))
-        for r in range(repeat):
+        for r in range(repeat if count <= 20000 else 1):
             for name, (save, load) in tools.items():
                 d = Path(root) / f"small-{name}-{count}-{r}"
                 _add(times, name, f"small_save_{count}", _timed(lambda: save(d)))
@@ -387,15 +387,27 @@ def _table(results: Times, nbytes: int) -> List[str]:
 
 
 def _ratios(results: Times) -> str:
-    ours, raw, mc = results["dist_ckpt"], results["raw"], results.get("megatron-core", {})
+    ours, raw, mc = results["dist_ckpt"], results.get("raw", {}), results.get("megatron-core", {})
     med = {k: statistics.median(v) for k, v in ours.items()}
-    parts = [f"save {statistics.median(raw['save']) / med['save']:.2f} of raw",
-             f"load {statistics.median(raw['load']) / med['load']:.2f} of raw"]
+    parts = [f"{phase} {statistics.median(raw[phase]) / med[phase]:.2f} of raw" for phase in ("save", "load")
+             if phase in raw and phase in med]
     if "load_resharded" in med:
         parts.append(f"resharded/same-layout load {med['load_resharded'] / med['load']:.2f}x")
     if "async_blocked" in med:
-        parts.append(f"async blocked {med['async_blocked'] / med['save']:.1%} of a sync save, "
-                     f"step slowdown {med['async_step_slowdown']:+.1%}")
+        parts.append(f"async blocked {med['async_blocked']:.3f} s"
+                     + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
+                     + f", step slowdown {med['async_step_slowdown']:+.1%}")
+    small = sorted(int(p.rsplit("_", 1)[1]) for p in med if p.startswith("small_save_"))
+    if len(small) > 1:
+        lo, hi = small[0], small[-1]
+        parts.append(f"small tensors: cost per tensor at {hi} / at {lo}: save "
+                     f"{med[f'small_save_{hi}'] / hi / (med[f'small_save_{lo}'] / lo):.2f}, load "
+                     f"{med[f'small_load_{hi}'] / hi / (med[f'small_load_{lo}'] / lo):.2f}")
+    for count in small:
+        if f"small_save_{count}" in mc:
+            parts.append(f"{count} small tensors {statistics.median(mc[f'small_save_{count}']) / med[f'small_save_{count}']:.2f}x"
+                         f" / {statistics.median(mc[f'small_load_{count}']) / med[f'small_load_{count}']:.2f}x faster than "
+                         f"Megatron-Core (save / load)")
     for phase in ("save", "load", "load_resharded"):
         if phase in mc and phase in med:
             parts.append(f"{phase} {statistics.median(mc[phase]) / med[phase]:.2f}x faster than Megatron-Core")
@@ -406,16 +418,20 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1084, help="total state over both ranks")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--small", default="1000,20000,100000", help="tensor counts per rank ('' to skip)")
+    parser.add_argument("--small", default="1000,20000,100000",
+                        help="tensor counts per rank ('' to skip); counts above 20,000 run once")
+    parser.add_argument("--only", default="main,async,resharded,small", help="which parts to run")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir=args.dir))
     try:
-        results = _merge(run_distributed(_main_job, WORLD, str(root), args.size_mib, args.repeat))
-        _update(results, run_distributed(_resharded_job, 1, str(root), args.repeat)[0])
+        parts = set(args.only.split(","))
+        results = _merge(run_distributed(_main_job, WORLD, str(root), args.size_mib, args.repeat, parts))
+        if "resharded" in parts and "main" in parts:
+            _update(results, run_distributed(_resharded_job, 1, str(root), args.repeat)[0])
         counts = [int(c) for c in args.small.split(",") if c]
-        if counts:
+        if counts and "small" in parts:
             _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
         nbytes = sum(t.numel() * t.element_size() for w in range(WORLD)
                      for t, _ in model_state(args.size_mib, w, WORLD).values())

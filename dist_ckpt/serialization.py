@@ -45,7 +45,7 @@ from .mapping import (
     apply_factory_merges,
 )
 from .strategies.async_utils import AsyncRequest
-from .utils import extract_nonpersistent, extract_sharded_base
+from .utils import extract_nonpersistent, extract_sharded_base, gc_paused
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -244,10 +244,11 @@ def save(
             until the new one is complete, then the two are swapped atomically: a crash at any
             instant leaves the old or the new checkpoint there, never a mix.
     """
-    return SaveTransaction(
-        sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity,
-        async_sharded_save, preprocess_common_before_consistancy_check, content_metadata, overwrite,
-    ).run()
+    with gc_paused():
+        return SaveTransaction(
+            sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity,
+            async_sharded_save, preprocess_common_before_consistancy_check, content_metadata, overwrite,
+        ).run()
 
 
 class SaveTransaction:
@@ -411,7 +412,7 @@ def load(
     Every byte read is checked against the checkpoint's manifest unless ``verify_checksums``
     is False (checkpoints without a manifest load unchecked, as logged).
     """
-    with verification(verify_checksums):
+    with verification(verify_checksums), gc_paused():
         return _load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
                      validate_access_integrity, strict)
 

@@ -172,7 +172,7 @@ class TemporalAsyncCaller(AsyncCaller):
     def schedule_async_call(self, request: AsyncRequest) -> None:
         if request.async_fn is None or request.async_error is not None:
             return
-        thread = threading.Thread(target=request.run_async_fn, name=f"dist_ckpt-async-{request.call_idx}",
+        thread = threading.Thread(target=_background_write, args=(request,), name=f"dist_ckpt-async-{request.call_idx}",
                                   daemon=True)
         thread.start()
         self._threads[id(request)] = (thread, time.monotonic())
@@ -205,10 +205,28 @@ def _die_with_parent() -> None:
         pass
 
 
+WRITER_NICE = 10  # background writers yield the CPU to the training loop when both want it
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this thread's CPU priority (Linux: per thread, inherited by threads it starts):
+    a checkpoint write may take longer, a training step is not slowed by it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (OSError, AttributeError):  # other systems, or not permitted: the normal priority
+        pass
+
+
+def _background_write(request: AsyncRequest) -> None:
+    _yield_cpu_to_training()
+    request.run_async_fn()
+
+
 def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
     """The persistent writer process: run jobs until told to stop (or the training process is
     gone); report every outcome."""
     _die_with_parent()
+    _yield_cpu_to_training()
     while True:
         try:
             job = jobs.get(timeout=1.0)
