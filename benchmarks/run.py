@@ -18,8 +18,9 @@ every tool in turn, in an order that rotates between repeats. Phases:
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (persistent writer process, cached metadata): how long the
-                  training loop is blocked, how much a training step (a matmul loop) slows
-                  while the write runs, and the extra memory; the staging buffers are reused
+                  training loop is blocked, how much a training step (a matmul loop, one
+                  thread per rank) slows while the write runs (against the same steps right
+                  after the save, with nothing running), and the extra memory; the staging buffers are reused
                   from the previous save, as in a training run;
   small_*         N tensors of 4 KiB per rank (--small 1000,20000,...): save and load seconds,
                   dist_ckpt and Megatron-Core (the latter up to 20,000).
@@ -278,7 +279,6 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
     writer process); the first save (which allocates the staging buffers) is a warm-up."""
     torch.set_num_threads(1)  # one core per rank, as a training process bound to its core
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    baseline = statistics.median(_training_step(a, b) for _ in range(30))
     strategy = TorchDistSaveShardedStrategy(async_writer="process", cached_metadata=True)
     queue = AsyncCallsQueue()
     times: Times = {}
@@ -297,6 +297,9 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
                     steps.append(_training_step(a, b))
                     queue.maybe_finalize_async_calls(blocking=False)
                 total = time.perf_counter() - start
+            dist.barrier()
+            # the same steps with no write running, right after: the baseline of this repeat
+            baseline = statistics.median(_training_step(a, b) for _ in range(max(10, len(steps))))
             if r > 0:
                 _add(times, "dist_ckpt", "async_blocked", blocked)
                 _add(times, "dist_ckpt", "async_total", total)

@@ -205,7 +205,7 @@ def _die_with_parent() -> None:
         pass
 
 
-WRITER_NICE = 10  # background writers yield the CPU to the training loop when both want it
+WRITER_NICE = 19  # background writers yield the CPU to the training loop when both want it
 
 
 def _yield_cpu_to_training() -> None:

@@ -10,7 +10,8 @@ is located inside its blob (``torch_record.locate_tensor_data``) and its bytes g
   cut from one chunk, or a strided destination), from which each item copies its region.
 
 Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
-manifest entry looked up once per item; the manifest itself is read once per load. Items are
+manifest entry looked up once per item; the manifest itself is read once per load.
+Neighbouring small items are read together (one call for up to ``COALESCE`` bytes). Items are
 split over ``thread_count`` reader threads in runs of neighbouring items (each thread reads
 mostly sequentially), balanced by bytes. Whatever is not a plain tensor blob (objects, other
 pickle forms, transformed streams) takes the safe ``torch.load`` path of ``DcpReader``.
@@ -36,6 +37,7 @@ __all__ = ["ItemGroup", "read_item_groups", "copy_region", "READ_PIECE", "SMALL_
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
 SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
+COALESCE = 8 << 20  # neighbouring small items are read together, up to this many bytes a call
 _HEAD = 4096  # a blob's first bytes: its zip headers and data.pkl, up to the tensor's data
 
 
@@ -59,6 +61,9 @@ class _Lane:
         self.root = root
         self.files: Dict[str, Tuple[int, int]] = {}
         self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.window = torch.empty(0, dtype=torch.uint8)  # a coalesced read of neighbouring items
+        self.window_file: Optional[str] = None
+        self.window_offset = 0
 
     def open(self, group: ItemGroup) -> Tuple[int, int]:
         if group.file not in self.files:
@@ -93,6 +98,23 @@ def _read_into(fd: int, view: memoryview, offset: int, path: Path, hasher: Any) 
         if hasher is not None:
             hasher.update(piece[:n])
         done += n
+
+
+def _runs(groups: List[ItemGroup]) -> List[List[ItemGroup]]:
+    """Groups in order, neighbouring small ones of one file (each starting where the previous
+    ends) joined into runs of at most COALESCE bytes."""
+    runs: List[List[ItemGroup]] = []
+    size = 0
+    for g in groups:
+        prev = runs[-1][-1] if runs else None
+        if (prev is not None and g.length <= SMALL_BLOB and prev.length <= SMALL_BLOB and prev.file == g.file
+                and prev.offset + prev.length == g.offset and size + g.length <= COALESCE):
+            runs[-1].append(g)
+            size += g.length
+        else:
+            runs.append([g])
+            size = g.length
+    return runs
 
 
 def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
@@ -151,6 +173,25 @@ class _GroupReader:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
         self.layouts = _LayoutCache()
 
+    def read_run(self, lane: _Lane, run: List[ItemGroup]) -> None:
+        """Neighbouring small items of one file in one read call, then each from memory."""
+        first, last = run[0], run[-1]
+        fd, file_size = lane.open(first)
+        end = last.offset + last.length
+        if end > file_size:  # read() below names the item that lies beyond the end
+            for group in run:
+                self.read(lane, group)
+            return
+        if lane.window.numel() < end - first.offset:
+            lane.window = torch.empty(end - first.offset, dtype=torch.uint8)
+        _read_into(fd, tensor_bytes(lane.window[: end - first.offset]), first.offset, self.root / first.file, None)
+        lane.window_file, lane.window_offset = first.file, first.offset
+        try:
+            for group in run:
+                self.read(lane, group)
+        finally:
+            lane.window_file = None
+
     def read(self, lane: _Lane, group: ItemGroup) -> None:
         path = self.root / group.file
         fd, file_size = lane.open(group)
@@ -174,10 +215,17 @@ class _GroupReader:
     def _read_whole(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str,
                     plain: bool) -> None:
         path = self.root / group.file
-        buffer = lane.buffer(group.length)
-        view = tensor_bytes(buffer)
         hasher = xxhash.xxh3_64() if entry is not None else None
-        _read_into(fd, view, group.offset, path, hasher)
+        if lane.window_file == group.file:  # read already, with its neighbours
+            start = group.offset - lane.window_offset
+            buffer = lane.window[start : start + group.length]
+            view = tensor_bytes(buffer)
+            if hasher is not None:
+                hasher.update(view)
+        else:
+            buffer = lane.buffer(group.length)
+            view = tensor_bytes(buffer)
+            _read_into(fd, view, group.offset, path, hasher)
         self._check(group, entry, hasher, what)
         stored = self.layouts.locate(view, view, group.length) if plain else None
         if stored is None:
@@ -188,7 +236,7 @@ class _GroupReader:
             tensor_bytes(target)[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
             self.planner.commit_tensor(group.items[0], target)
             return
-        self._scatter(buffer, stored, group, path)
+        self._scatter(lane, buffer, stored, group, path)
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
         path = self.root / group.file
@@ -215,7 +263,7 @@ class _GroupReader:
         if target is not None:
             self.planner.commit_tensor(group.items[0], target)
         else:
-            self._scatter(buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+            self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
 
     def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
         """The destination itself, when the one read item takes the whole chunk into
@@ -230,8 +278,10 @@ class _GroupReader:
             return None
         return target
 
-    def _scatter(self, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
+    def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
         data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
+        if data.storage_offset() % torch.empty(0, dtype=stored.dtype).element_size():
+            data = lane.buffer(stored.nbytes).copy_(data)  # a coalesced read put it off alignment
         source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
         for item in group.items:
             copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
@@ -269,10 +319,13 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
     def run(lane_groups: List[ItemGroup]) -> None:
         lane = _Lane(Path(root))
         try:
-            for group in lane_groups:
+            for run_ in _runs(lane_groups):
                 if failed.is_set():
                     return
-                reader.read(lane, group)
+                if len(run_) == 1:
+                    reader.read(lane, run_[0])
+                else:
+                    reader.read_run(lane, run_)
         except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
             errors.append(e)
             failed.set()
