@@ -17,7 +17,8 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   cannot reshard are not measured);
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
-  async_*         dist_ckpt's async save (persistent writer process, cached metadata): how long the
+  async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
+                  thread): how long the
                   training loop is blocked, how much a training step (a matmul loop, one
                   thread per rank) slows while the write runs (against the same steps right
                   after the save, with nothing running), and the extra memory; the staging buffers are reused
@@ -231,7 +232,7 @@ def _add(times: Times, tool: str, phase: str, value: float) -> None:
     times.setdefault(tool, {}).setdefault(phase, []).append(value)
 
 
-def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, parts: set) -> Times:
+def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, parts: set, writer: str) -> Times:
     state = model_state(size_mib, rank, world)
     tools = _tools(state, rank, world)
     names = list(tools)
@@ -258,7 +259,7 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, part
                 shutil.rmtree(d, ignore_errors=True)
             dist.barrier()
     if "async" in parts:
-        _update(times, _async_phases(state, rank, world, Path(root), repeat))
+        _update(times, _async_phases(state, rank, world, Path(root), repeat, writer))
     return times
 
 
@@ -274,12 +275,12 @@ def _training_step(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, repeat: int) -> Times:
+def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, repeat: int, writer: str) -> Times:
     """Blocking time, step slowdown and extra memory of dist_ckpt's async save (persistent
     writer process); the first save (which allocates the staging buffers) is a warm-up."""
     torch.set_num_threads(1)  # one core per rank, as a training process bound to its core
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    strategy = TorchDistSaveShardedStrategy(async_writer="process", cached_metadata=True)
+    strategy = TorchDistSaveShardedStrategy(async_writer=writer, cached_metadata=True)
     queue = AsyncCallsQueue()
     times: Times = {}
     try:
@@ -424,13 +425,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
     parser.add_argument("--only", default="main,async,resharded,small", help="which parts to run")
+    parser.add_argument("--async-writer", default="process", choices=["process", "thread"])
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir=args.dir))
     try:
         parts = set(args.only.split(","))
-        results = _merge(run_distributed(_main_job, WORLD, str(root), args.size_mib, args.repeat, parts))
+        results = _merge(run_distributed(_main_job, WORLD, str(root), args.size_mib, args.repeat, parts,
+                                         args.async_writer))
         if "resharded" in parts and "main" in parts:
             _update(results, run_distributed(_resharded_job, 1, str(root), args.repeat)[0])
         counts = [int(c) for c in args.small.split(",") if c]
