@@ -263,3 +263,27 @@ def test_direct_reader_round_trip_and_damage(tmp_path, n, size):
     with pytest.raises(CorruptCheckpointError, match=f"checksum mismatch for '{victim}'"):
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()},
                        tmp_path / "c")
+
+
+def test_column_slices_of_large_chunks_read_into_rows(tmp_path):
+    """A stored chunk larger than SMALL_BLOB that lands in a column slice of the destination
+    (resharding a column-split TP tensor) is read row by row straight into it (preadv)."""
+    from dist_ckpt.core import CorruptCheckpointError
+
+    full = {"w": torch.randn(1024, 512), "b": torch.randn(2, 700, 600).to(torch.bfloat16)}
+    # saved as two column halves (2 ranks' chunks), loaded whole: each chunk fills a strided column slice
+    halves = {}
+    for k, t in full.items():
+        cols = t.shape[-1] // 2
+        for h in range(2):
+            piece = t[..., h * cols : (h + 1) * cols].clone()
+            halves[f"{k}@{h}"] = ShardedTensor.from_rank_offsets(k, piece, (t.dim() - 1, h, 2))
+    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c")
+    for k, t in full.items():
+        assert tensors_bitwise_equal(loaded[k], t), k
+    _flip_byte_of(tmp_path / "c", "w")
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 'w'"):
+        dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
+                       tmp_path / "c")

@@ -117,6 +117,45 @@ def _runs(groups: List[ItemGroup]) -> List[List[ItemGroup]]:
     return runs
 
 
+def _row_views(target: torch.Tensor) -> Optional[List[memoryview]]:
+    """The rows of ``target`` (its last axis, contiguous) as views of its memory, in order;
+    None if the leading axes do not form one evenly strided sequence of rows."""
+    if target.dim() < 2 or target.stride(-1) != 1 or target.numel() == 0:
+        return None
+    shape, stride = target.shape, target.stride()
+    for i in range(target.dim() - 2):
+        if stride[i] != stride[i + 1] * shape[i + 1]:
+            return None
+    itemsize = target.element_size()
+    rows, row_stride, row_bytes = target.numel() // shape[-1], stride[-2], shape[-1] * itemsize
+    storage = target.untyped_storage()
+    whole = tensor_bytes(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
+    start = target.storage_offset() * itemsize
+    step = row_stride * itemsize
+    return [whole[start + r * step : start + r * step + row_bytes] for r in range(rows)]
+
+
+_IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
+
+
+def _read_rows(fd: int, views: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
+    """Consecutive file bytes scattered into ``views`` with one preadv per 1024 of them."""
+    for first in range(0, len(views), _IOV_MAX):
+        batch = views[first : first + _IOV_MAX]
+        want = sum(len(v) for v in batch)
+        got = os.preadv(fd, batch, offset)
+        if got != want:  # a short read (rare): finish view by view
+            done = 0
+            for v in batch:
+                if done + len(v) > got:
+                    _read_into(fd, v[max(0, got - done):], offset + max(got, done), path, None)
+                done += len(v)
+        if hasher is not None:
+            for v in batch:
+                hasher.update(v)
+        offset += want
+
+
 def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
     """Runs of neighbouring groups (sorted by file and offset), about equal in bytes."""
     ordered = sorted(groups, key=lambda g: (g.file, g.offset))
@@ -251,9 +290,11 @@ class _GroupReader:
         hasher = xxhash.xxh3_64() if entry is not None else None
         if hasher is not None:
             hasher.update(head[: stored.data_offset])
-        target = self._direct_target(group, stored)
-        if target is not None:
+        target = self._direct_target(group, stored, rows_allowed=True)
+        if target is not None and target.is_contiguous():
             _read_into(fd, tensor_bytes(target), group.offset + stored.data_offset, path, hasher)
+        elif target is not None:
+            _read_rows(fd, _row_views(target), group.offset + stored.data_offset, path, hasher)
         else:
             buffer = lane.buffer(stored.nbytes)
             _read_into(fd, tensor_bytes(buffer), group.offset + stored.data_offset, path, hasher)
@@ -265,18 +306,22 @@ class _GroupReader:
         else:
             self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
 
-    def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
+    def _direct_target(self, group: ItemGroup, stored: StoredTensor, rows_allowed: bool = False
+                       ) -> Optional[torch.Tensor]:
         """The destination itself, when the one read item takes the whole chunk into
-        contiguous memory of the stored dtype."""
+        contiguous memory of the stored dtype (or, with ``rows_allowed``, into rows that are
+        each contiguous: a column slice of a larger tensor, as resharding a TP split makes)."""
         if len(group.items) != 1:
             return None
         item = group.items[0]
         if any(item.storage_offsets) or tuple(item.lengths) != stored.shape:
             return None
         target = self.planner.resolve_tensor(item).detach()
-        if target.dtype != stored.dtype or tuple(target.shape) != stored.shape or not target.is_contiguous():
+        if target.dtype != stored.dtype or tuple(target.shape) != stored.shape:
             return None
-        return target
+        if target.is_contiguous() or (rows_allowed and _row_views(target) is not None):
+            return target
+        return None
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
         data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
