@@ -108,6 +108,14 @@ def _drop_cache(directory: Path) -> None:
                 os.close(fd)
 
 
+def _remove(directory: Path) -> None:
+    """Delete a tool's files and let the file system settle (journal, discards of the freed
+    blocks) before the next tool is timed: otherwise the next one pays for this deletion."""
+    shutil.rmtree(directory, ignore_errors=True)
+    os.sync()
+    time.sleep(0.5)
+
+
 def _fsync_tree(directory: Path) -> None:
     for path in [directory, *directory.rglob("*")]:
         fd = os.open(path, os.O_RDONLY)
@@ -256,7 +264,7 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, part
                     _add(times, name, phase, value)
             dist.barrier()
             if r < repeat and rank == 0:
-                shutil.rmtree(d, ignore_errors=True)
+                _remove(d)
             dist.barrier()
     if "async" in parts:
         _update(times, _async_phases(state, rank, world, Path(root), repeat, writer))
