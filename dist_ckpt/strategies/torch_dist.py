@@ -153,6 +153,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # (fingerprint, this rank's plan, the global metadata on the coordinator) of the last plan
         self._cached_plan: Optional[Tuple[str, SavePlan, Optional[Metadata]]] = None
         self.plans_made = 0  # how many saves planned with a gather (the others reused the cache)
+        self.validated_fingerprint: Optional[str] = None  # set by save() after a sharding check
         if async_writer not in ("thread", "process"):
             raise CheckpointingException(f"async_writer must be 'thread' or 'process', got {async_writer!r}")
         self.thread_count = thread_count
