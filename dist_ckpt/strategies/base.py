@@ -50,15 +50,6 @@ __all__ = [
     "SaveCommonStrategy",
     "LoadCommonStrategy",
     "AsyncSaveShardedStrategy",
-    # Megatron-Core's base module also holds these; they live in ``registry``.
-    "StrategyRegistry",
-    "StrategyInfo",
-    "ENTRY_POINT_GROUP",
-    "default_registry",
-    "list_strategies",
-    "register_default_strategy",
-    "get_default_strategy",
-    "resolve_strategy",
 ]
 
 
@@ -235,14 +226,9 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()
 
 
-# Megatron-Core's names at Megatron-Core's path (imported last: the registry needs the classes above).
-from .registry import (  # noqa: E402
-    ENTRY_POINT_GROUP,
-    StrategyInfo,
-    StrategyRegistry,
-    default_registry,
-    get_default_strategy,
-    list_strategies,
-    register_default_strategy,
-    resolve_strategy,
-)
+# Megatron-Core's base module also holds the registry's names; they live in ``registry``
+# (imported last: the registry needs the classes above).
+from . import registry as _registry  # noqa: E402
+from .registry import *  # noqa: E402,F401,F403
+
+__all__ += _registry.__all__

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 
 from ..core import CorruptCheckpointError
 from ..integrity import Manifest, ManifestEntry, check_digest, expected_entry
-from .torch_record import StoredTensor, locate_tensor_data, tensor_bytes
+from .torch_record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
 __all__ = ["ItemGroup", "read_item_groups", "copy_region", "READ_PIECE", "SMALL_BLOB"]
 
@@ -182,29 +182,15 @@ class _LayoutCache:
         self._known: Dict[Tuple[int, bytes], StoredTensor] = {}
         self._lock = threading.Lock()
 
-    @staticmethod
-    def _signature(head: memoryview, stored: StoredTensor) -> bytes:
-        prefix = bytearray(head[: stored.data_offset])
-        crc_at = _data_header_crc_at(prefix)
-        if crc_at is not None:
-            prefix[crc_at : crc_at + 4] = b"\0\0\0\0"
-        return bytes(prefix)
-
     def locate(self, head: memoryview, tail: memoryview, length: int) -> Optional[StoredTensor]:
         for (known_length, signature), stored in list(self._known.items()):
-            if known_length == length and len(head) >= len(signature) and self._signature(head, stored) == signature:
+            if known_length == length and len(head) >= len(signature) and layout_signature(head, stored) == signature:
                 return stored
         stored = locate_tensor_data(head, tail, length)
         if stored is not None and stored.data_offset <= len(head) and len(self._known) < 64:
             with self._lock:
-                self._known[(length, self._signature(head, stored))] = stored
+                self._known[(length, layout_signature(head, stored))] = stored
         return stored
-
-
-def _data_header_crc_at(prefix: bytearray) -> Optional[int]:
-    """Where the CRC32 field of the last local header in ``prefix`` (the data record's) is."""
-    at = prefix.rfind(b"PK\x03\x04")
-    return None if at < 0 else at + 14
 
 
 class _GroupReader:
@@ -271,7 +257,7 @@ class _GroupReader:
             self.fallback(group, bytes(view))
             return
         target = self._direct_target(group, stored)
-        if target is not None:
+        if target is not None and target.is_contiguous():
             tensor_bytes(target)[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
             self.planner.commit_tensor(group.items[0], target)
             return
@@ -290,11 +276,16 @@ class _GroupReader:
         hasher = xxhash.xxh3_64() if entry is not None else None
         if hasher is not None:
             hasher.update(head[: stored.data_offset])
-        target = self._direct_target(group, stored, rows_allowed=True)
-        if target is not None and target.is_contiguous():
-            _read_into(fd, tensor_bytes(target), group.offset + stored.data_offset, path, hasher)
+        target = self._direct_target(group, stored)
+        rows = None
+        if target is not None and not target.is_contiguous():
+            rows = _row_views(target)
+            if rows is None:
+                target = None  # neither contiguous nor contiguous rows: through the scratch buffer
+        if rows is not None:
+            _read_rows(fd, rows, group.offset + stored.data_offset, path, hasher)
         elif target is not None:
-            _read_rows(fd, _row_views(target), group.offset + stored.data_offset, path, hasher)
+            _read_into(fd, tensor_bytes(target), group.offset + stored.data_offset, path, hasher)
         else:
             buffer = lane.buffer(stored.nbytes)
             _read_into(fd, tensor_bytes(buffer), group.offset + stored.data_offset, path, hasher)
@@ -306,11 +297,10 @@ class _GroupReader:
         else:
             self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
 
-    def _direct_target(self, group: ItemGroup, stored: StoredTensor, rows_allowed: bool = False
-                       ) -> Optional[torch.Tensor]:
-        """The destination itself, when the one read item takes the whole chunk into
-        contiguous memory of the stored dtype (or, with ``rows_allowed``, into rows that are
-        each contiguous: a column slice of a larger tensor, as resharding a TP split makes)."""
+    def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
+        """The destination itself, when the one read item takes the whole chunk into memory
+        of the stored dtype and shape (the caller checks that it is contiguous, or made of
+        contiguous rows: a column slice of a larger tensor, as resharding a TP split makes)."""
         if len(group.items) != 1:
             return None
         item = group.items[0]
@@ -319,13 +309,11 @@ class _GroupReader:
         target = self.planner.resolve_tensor(item).detach()
         if target.dtype != stored.dtype or tuple(target.shape) != stored.shape:
             return None
-        if target.is_contiguous() or (rows_allowed and _row_views(target) is not None):
-            return target
-        return None
+        return target
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
         data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
-        if data.storage_offset() % torch.empty(0, dtype=stored.dtype).element_size():
+        if data.storage_offset() % stored.dtype.itemsize:
             data = lane.buffer(stored.nbytes).copy_(data)  # a coalesced read put it off alignment
         source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
         for item in group.items:

@@ -181,7 +181,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         recorder = recorder_for(checkpoint_dir)
         global_metadata: List[Metadata] = []
         object_blobs: Dict[str, bytes] = {}
-        plan = self._cached_plan_for(dist, leaves) if self.cached_metadata else None
+        fingerprint = structure_fingerprint(leaves) if self.cached_metadata else None
+        plan = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
         if plan is not None:
             object_blobs.update(dist.all_run(lambda: _serialize_objects(objects)))
             global_metadata.append(copy.copy(self._cached_plan[2]) if dist.is_coordinator else None)
@@ -197,9 +198,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
             plan = dist.reduce_scatter(local_step, global_step)
             self.plans_made += 1
-            if self.cached_metadata:
+            if fingerprint is not None:
                 metadata = global_metadata[0] if global_metadata else None
-                self._cached_plan = (structure_fingerprint(leaves), plan, copy.copy(metadata))
+                self._cached_plan = (fingerprint, plan, copy.copy(metadata))
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         sources: Dict[MetadataIndex, torch.Tensor] = {}
         direct: List[WriteItem] = []  # written now, from the live tensors (beyond the staging budget)
@@ -221,7 +222,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 direct_written[:] = job()
 
             dist.all_run(write_direct)
-        background = [item for item in plan.items if item not in direct] if direct else plan.items
+        written = {item.index for item in direct}
+        background = [item for item in plan.items if item.index not in written]
         job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", background, sources, object_blobs, self.thread_count,
                           self.zip_crc32)
         request = AsyncRequest(job, (), [])
@@ -250,9 +252,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._staging = StagingBuffers(self.async_staging_budget, shared=self.async_writer == "process")
         return self._staging
 
-    def _cached_plan_for(self, dist: DistWrapper, leaves: List[Any]) -> Optional[SavePlan]:
+    def _cached_plan_for(self, dist: DistWrapper, fingerprint: str) -> Optional[SavePlan]:
         """The previous save's plan if every rank's structure fingerprint is unchanged."""
-        fingerprint = structure_fingerprint(leaves)
         same = self._cached_plan is not None and self._cached_plan[0] == fingerprint
         if not dist.all_reduce_min(1 if same else 0):
             return None

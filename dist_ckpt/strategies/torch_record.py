@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["StoredTensor", "write_tensor_record", "locate_tensor_data", "tensor_bytes"]
+__all__ = ["StoredTensor", "write_tensor_record", "locate_tensor_data", "layout_signature", "tensor_bytes"]
 
 ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
@@ -108,7 +108,7 @@ class _TorchPickler(pickle.Pickler):
             return None
         cls = _storage_class(obj.dtype)
         if cls is None:
-            nbytes = obj.numel * torch.empty(0, dtype=obj.dtype).element_size()
+            nbytes = obj.numel * obj.dtype.itemsize
             return ("storage", torch.storage.UntypedStorage, "0", "cpu", nbytes)
         return ("storage", cls, "0", "cpu", obj.numel)
 
@@ -218,7 +218,7 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> _La
     numel = 1
     for n in shape:
         numel *= n
-    records = _records(dtype, shape, numel * torch.empty(0, dtype=dtype).element_size())
+    records = _records(dtype, shape, numel * dtype.itemsize)
     before, after = bytearray(), bytearray()
     position, prefix_crc_at = 0, -1
     for r in records:
@@ -323,7 +323,7 @@ class _TensorDesc:
             if not isinstance(dtype, torch.dtype):
                 raise _NotPlain()
             self.dtype = dtype
-            itemsize = torch.empty(0, dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             if storage.numel % itemsize:
                 raise _NotPlain()
             self.storage_numel = storage.numel // itemsize
@@ -466,8 +466,18 @@ def locate_tensor_data(head: memoryview, tail: memoryview, blob_length: int) -> 
     record = entries.get(f"{prefix}data/{desc.storage.key}")
     if record is None or record[2] != 0:
         return None
-    nbytes = numel * torch.empty(0, dtype=desc.dtype).element_size()
+    nbytes = numel * desc.dtype.itemsize
     data_offset = _data_start(head, record[0])
     if data_offset is None or record[1] != nbytes or data_offset + nbytes > blob_length:
         return None
     return StoredTensor(desc.dtype, tuple(shape), data_offset, nbytes)
+
+
+def layout_signature(head: memoryview, stored: StoredTensor) -> bytes:
+    """A blob's bytes before its tensor data with the data record's CRC32 zeroed: blobs with
+    equal signatures (and lengths) have the same layout, so ``stored`` holds for all of them."""
+    prefix = bytearray(head[: stored.data_offset])
+    header = prefix.rfind(struct.pack("<I", _LOCAL_SIG))  # the last local header: the data record's
+    if header >= 0:
+        prefix[header + _LOCAL_CRC_AT : header + _LOCAL_CRC_AT + 4] = bytes(4)
+    return bytes(prefix)
