@@ -303,6 +303,11 @@ def _run_all(rank: int, world: int, root: str) -> dict:
             lambda: _directory_flow(lib, ns, rank, world, os.path.join(root, "directory_flow", saver)))
         dist.barrier()
 
+    for saver, (lib, ns) in libs.items():
+        results[("cached_metadata", saver)] = _attempt(
+            lambda: _cached_metadata_flow(lib, ns, rank, world, os.path.join(root, "cached_metadata", saver)))
+        dist.barrier()
+
     save_both("strict", lambda ns: _strict_saved(ns, rank, world))
     for mode in STRICT_MODES:
         for with_unexpected in (False, True):
@@ -347,6 +352,46 @@ def _directory_flow(lib, ns, rank, world, ckpt):
             files[name] = f.read() == foreign[name]
     return {"second_save_loaded": all(torch.equal(loaded[k], second[k].data) for k in ("a", "b")),
             "foreign_files_intact": files}
+
+
+CACHED_STRUCTURES = [  # key -> (global shape, dtype) of each save; the third changes a shape and a dtype
+    {"a": ((8, 4), torch.float32), "b": ((4, 6), torch.bfloat16), "c": ((2, 2), torch.float32)},
+    {"a": ((8, 4), torch.float32), "b": ((4, 6), torch.bfloat16), "c": ((2, 2), torch.float32)},
+    {"a": ((8, 4), torch.float32), "b": ((6, 6), torch.bfloat16), "c": ((2, 2), torch.float16)},
+    {"a": ((8, 4), torch.float32), "b": ((6, 6), torch.bfloat16), "c": ((2, 2), torch.float16)},
+]
+
+
+def _cached_metadata_flow(lib, ns, rank, world, root):
+    """Four saves through one save strategy with ``cached_metadata=True`` (the structure
+    changes before the third); each checkpoint is loaded with dist_ckpt and compared with
+    what that save held. Returns, per save, whether every tensor came back bit-exact."""
+    import torch.distributed as dist
+
+    import dist_ckpt
+
+    strategy = lib.strategies.torch.TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    saved = []
+    for i, structure in enumerate(CACHED_STRUCTURES):
+        ckpt = os.path.join(root, str(i))
+        if rank == 0:
+            os.makedirs(ckpt, exist_ok=True)
+        dist.barrier()
+        state = {k: ns.ShardedTensor.from_rank_offsets(k, _data(f"{k}{i}", (s[0] // world, *s[1:]), d, rank, False),
+                                                        (0, rank, world)) for k, (s, d) in structure.items()}
+        lib.save(state, ckpt, sharded_strategy=strategy)
+        dist.barrier()
+        saved.append({k: v.data for k, v in state.items()})
+    exact = []
+    for i, structure in enumerate(CACHED_STRUCTURES):
+        request = {k: dist_ckpt.ShardedTensor.from_rank_offsets(k, torch.zeros(s[0] // world, *s[1:], dtype=d),
+                                                                 (0, rank, world)) for k, (s, d) in structure.items()}
+        try:
+            loaded = dist_ckpt.load(request, os.path.join(root, str(i)))
+            exact.append(all(torch.equal(loaded[k], saved[i][k]) for k in structure))
+        except Exception as e:  # noqa: BLE001 - reported as the outcome of this save
+            exact.append(f"{type(e).__name__}: {e}"[:200])
+    return exact
 
 
 @pytest.fixture(scope="module")
@@ -446,3 +491,23 @@ def test_directory_flow_of_megatron_lm(outcomes, saver):
         assert got.value == {"second_save_loaded": True,
                              "foreign_files_intact": {"modelopt_state/state.pt": True, "config.yaml": True,
                                                       "late.txt": True}}, got.value
+
+
+# Megatron-Core 0.16.1 keeps writing the first save's .metadata after the structure changed:
+# the third and fourth checkpoints claim 'b' still has shape (4, 6).
+MEGATRON_STALE_CACHE = "MismatchError: 'b': the checkpoint's global shape is (4, 6), the request's is (6, 6)"
+
+
+@pytest.mark.parametrize("saver", ["mcore", "ours"])
+def test_cached_metadata_saves_follow_structure_changes(outcomes, saver):
+    """Megatron-Core's ``cached_metadata=True`` through both libraries: repeated saves of one
+    structure, then one shape and one dtype changed - every dist_ckpt checkpoint holds what its
+    save held; Megatron-Core's later ones carry the stale metadata (pinned, so a fix shows)."""
+    for rank, results in enumerate(outcomes):
+        got = results[("cached_metadata", saver)]
+        assert got.error is None, f"rank {rank} {saver}: {got.error}"
+        if saver == "ours":
+            assert got.value == [True, True, True, True], f"rank {rank}: {got.value}"
+        else:
+            assert got.value[:2] == [True, True], f"rank {rank}: {got.value}"
+            assert all(isinstance(v, str) and v.startswith(MEGATRON_STALE_CACHE) for v in got.value[2:]), got.value
