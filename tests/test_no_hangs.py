@@ -55,10 +55,10 @@ def _inject(case, rank):
     if case == "staging_out_of_memory" and rank == 1:
         import dist_ckpt.strategies.staging as staging
 
-        def new_buffer(self, like):
+        def allocate(self, likes, arenas):
             raise MemoryError("cannot allocate the staging copy")
 
-        staging.StagingBuffers._new = new_buffer
+        staging.StagingBuffers._allocate = allocate
     elif case == "config_fails" and rank == 1:
         def config(*args, **kwargs):
             raise ValueError("cannot build the config")

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import pickle
 import zlib
 from pathlib import Path
 
@@ -225,6 +226,67 @@ def test_async_save_within_a_staging_budget(tmp_path, writer):
         assert len(staged[0]) == 2  # 2 x 32 KiB staged within 70 KiB; 4 written before save returned
         assert staged[0] == staged[1] == staged[2]  # the same buffers every save
 
+
+
+def _sums(tensors):  # runs in the writer process
+    return [float(t.double().sum()) for t in tensors], [t.data_ptr() % 64 for t in tensors]
+
+
+def test_writer_process_maps_staging_arenas_once(monkeypatch):
+    """Staged tensors reach the persistent writer as views of one shared arena, whose descriptor
+    is passed with the first job only; the writer sees the values of each later staging copy
+    and forgets an arena the training process freed."""
+    import multiprocessing.resource_sharer as resource_sharer
+
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
+    from dist_ckpt.strategies.shared_arena import JobPickler
+    from dist_ckpt.strategies.staging import StagingBuffers
+
+    passed = []
+    sharer = resource_sharer._resource_sharer
+    register = sharer.register
+    monkeypatch.setattr(sharer, "register", lambda *a: passed.append(1) or register(*a))
+    live = [torch.arange(1000, dtype=torch.float32), torch.ones(7, dtype=torch.bfloat16), torch.zeros(3, 5)]
+    pool = StagingBuffers(shared=True)
+    caller = PersistentAsyncCaller(timeout_s=60)
+    try:
+        results = []
+        for step in range(3):
+            for t in live:
+                t.add_(step)
+            staged = pool.stage(live)
+            request = AsyncRequest(_sums, (staged,), [])
+            caller.schedule_async_call(request)
+            assert caller.is_current_async_call_done(request, blocking=True) and request.async_error is None
+            results.append(request.async_result)
+            assert len(passed) == 1  # one descriptor: the arena, at the first job
+            pool.release()
+        assert results[2][0] == [float(t.double().sum()) for t in live]  # the last staging copy's values
+        assert results[0][0] != results[1][0] != results[2][0]  # each job saw its own copy's values
+        assert all(a == 0 for a in results[0][1])  # every view 64-byte aligned
+
+        pool_ids = {a.id for a in pool._arenas}
+        del pool, staged  # the arena is freed here; the next job tells the writer to forget it
+        import gc
+
+        gc.collect()
+        fresh = StagingBuffers(shared=True).stage(live)
+        request = AsyncRequest(_sums, (fresh,), [])
+        caller.schedule_async_call(request)
+        assert caller.is_current_async_call_done(request, blocking=True) and request.async_error is None
+        assert request.async_result[0] == results[2][0] and len(passed) == 2
+        assert not (pool_ids & caller._known_arenas)
+    finally:
+        caller.close()
+
+    # a job that refers to an arena the receiver was never sent is an error, not garbage
+    arena_pool = StagingBuffers(shared=True)
+    views = arena_pool.stage(live)
+    known = set()
+    JobPickler.dumps_job(views, known)  # the first job carries the arena...
+    second = JobPickler.dumps_job(views, known)  # ...the second refers to it by id only
+    with pytest.raises(pickle.UnpicklingError, match="never sent"):
+        pickle.loads(second)
 
 # -- the direct reader: coalesced small items, large items into their destinations -----------------
 

@@ -31,13 +31,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch.multiprocessing as torch_mp
-from multiprocessing.reduction import ForkingPickler
 
 from ..collectives import DistWrapper
 from ..core import CheckpointingException
+from .shared_arena import JobPickler, forget_arenas, live_arena_ids
 
 logger = logging.getLogger(__name__)
 
@@ -236,9 +236,10 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
             continue
         if job is None:
             return
-        idx, payload = job
+        idx, forget, payload = job
         try:
-            fn, args, kwargs = pickle.loads(payload)
+            forget_arenas(forget)
+            fn, args, kwargs = pickle.loads(payload)  # noqa: S301 - our own training process's job
             results.put((idx, "ok", fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
             results.put((idx, "error", f"{type(e).__name__}: {e}"))
@@ -259,6 +260,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._results: Any = None
         self._pending: Dict[int, Tuple[AsyncRequest, float]] = {}
         self._next = 0
+        self._known_arenas: Set[int] = set()  # staging arenas the current process was sent
 
     @property
     def pid(self) -> Optional[int]:
@@ -277,6 +279,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
                                     name="dist_ckpt-writer", daemon=True)
         self._process.start()
+        self._known_arenas = set()
         logger.debug("started the persistent checkpoint writer, pid %d", self._process.pid)
 
     def schedule_async_call(self, request: AsyncRequest) -> None:
@@ -289,15 +292,19 @@ class PersistentAsyncCaller(AsyncCaller):
         try:
             # Pickled here, not in the queue's feeder thread: an async_fn that does not pickle is
             # this request's error (reported on every rank at finalization), not a silent loss.
-            # CPU tensors travel as shared-memory handles (torch's reductions), not bytes.
-            payload = ForkingPickler.dumps((request.async_fn, request.async_fn_args, request.async_fn_kwargs))
+            # Staged tensors travel as references into arenas the writer holds (shared_arena),
+            # other CPU tensors as shared-memory handles (torch's reductions), never as bytes.
+            known = set(self._known_arenas)
+            payload = JobPickler.dumps_job((request.async_fn, request.async_fn_args, request.async_fn_kwargs), known)
         except Exception as e:  # noqa: BLE001
             request.async_error = CheckpointingException(
                 f"the persistent checkpoint writer needs a picklable write function: {type(e).__name__}: {e}"
             )
             return
+        forget = sorted(known - live_arena_ids())
+        self._known_arenas = known - set(forget)
         self._pending[token] = (request, time.monotonic())
-        self._jobs.put((token, bytes(payload)))
+        self._jobs.put((token, forget, payload))
 
     def _collect(self, wait_s: float) -> None:
         try:

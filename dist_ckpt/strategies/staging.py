@@ -12,6 +12,10 @@ So ``StagingBuffers``:
   it are written by the save call itself, straight from the live tensors (no copy at all),
   before the call returns. The training loop then waits for the staging copy of what the
   budget allows plus the direct write of the rest.
+
+For a writer process the copies are views into one ``SharedArena`` per allocation, which the
+writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
+per tensor handed over anew at every save.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import threading
 from typing import List, Optional
 
 import torch
+
+from .shared_arena import SharedArena
 
 __all__ = ["StagingBuffers"]
 
@@ -40,13 +46,10 @@ class StagingBuffers:
         self.budget_bytes = budget_bytes
         self.shared = shared
         self._buffers: List[Optional[torch.Tensor]] = []
+        self._arenas: List[SharedArena] = []  # hold the arenas the buffers are views of
         self._in_use = False
         self._lock = threading.Lock()
         self.reused_bytes = 0  # of the last stage(): how much went into reused buffers
-
-    def _new(self, like: torch.Tensor) -> torch.Tensor:
-        buffer = torch.empty(like.shape, dtype=like.dtype)
-        return buffer.share_memory_() if self.shared else buffer
 
     def stage(self, tensors: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """Copies of ``tensors`` in order while the budget lasts (first fit); None for a tensor
@@ -56,6 +59,7 @@ class StagingBuffers:
             self._in_use = True
         old = self._buffers if reuse else []
         staged: List[Optional[torch.Tensor]] = []
+        fresh: List[int] = []  # indices that need a new buffer
         used = 0
         self.reused_bytes = 0
         for i, tensor in enumerate(tensors):
@@ -65,16 +69,32 @@ class StagingBuffers:
                 continue
             previous = old[i] if i < len(old) else None
             if previous is not None and previous.shape == tensor.shape and previous.dtype == tensor.dtype:
-                buffer = previous
+                staged.append(previous)
                 self.reused_bytes += nbytes
             else:
-                buffer = self._new(tensor)
-            buffer.copy_(tensor)
-            staged.append(buffer)
+                staged.append(None)
+                fresh.append(i)
             used += nbytes
+        arenas = self._arenas if reuse else []
+        if fresh:
+            new = self._allocate([tensors[i] for i in fresh], arenas)
+            for i, buffer in zip(fresh, new):
+                staged[i] = buffer
+        for buffer, tensor in zip(staged, tensors):
+            if buffer is not None:
+                buffer.copy_(tensor)
         if reuse:
             self._buffers = staged  # what the next save may reuse once this one's write is done
+            live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
+            self._arenas = [a for a in arenas if a.storage.data_ptr() in live]
         return staged
+
+    def _allocate(self, likes: List[torch.Tensor], arenas: List[SharedArena]) -> List[torch.Tensor]:
+        if not self.shared:
+            return [torch.empty(t.shape, dtype=t.dtype) for t in likes]
+        arena = SharedArena([(t.shape, t.dtype) for t in likes])
+        arenas.append(arena)
+        return arena.views
 
     def release(self) -> None:
         """The write that used the buffers is over (finalized or failed)."""
