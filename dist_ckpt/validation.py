@@ -28,10 +28,10 @@ from .core import (
     KeyMismatchError,
     ShardingError,
     StrategyCompatibilityError,
-    maybe_load_config,
 )
 from .commit import is_dist_ckpt_leftover, missing_target_hint
 from .dict_utils import extract_matching_values, nested_values
+from .formats import detect_checkpoint_config
 from .geometry import find_overlap
 from .integrity import verify_bytes
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
@@ -325,13 +325,15 @@ def verify_checkpoint_and_load_strategy(
         raise CheckpointNotFoundError(
             f"Checkpoint directory {checkpoint_dir} does not exist{missing_target_hint(checkpoint_dir)}"
         )
-    config = maybe_load_config(checkpoint_dir)
+    config = detect_checkpoint_config(checkpoint_dir)
     if config is None:
         raise CheckpointNotFoundError(
             f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
-            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint"
+            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint, a PyTorch DCP "
+            f"checkpoint (.metadata) or Hugging Face safetensors"
         )
-    verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
+    if (checkpoint_dir / CONFIG_FNAME).is_file():
+        verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
     sharded = resolve_strategy(
         StrategyAction.LOAD_SHARDED, sharded_strategy, (config.sharded_backend, config.sharded_backend_version)
     )

@@ -1,0 +1,268 @@
+"""Export any checkpoint dist_ckpt reads to Hugging Face safetensors, streaming.
+
+``export_safetensors(src, dst)`` writes ``model-00001-of-0000N.safetensors`` files and
+``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``), as
+``transformers``' ``save_pretrained`` does. Memory stays bounded by the largest tensor: each
+file's header is computed from the source's metadata alone (names, dtypes, shapes), then the
+tensors are read one at a time, whole, from the source (any layout, any backend) and appended.
+The ``safetensors`` library has no streaming writer (``save_file`` takes the whole dict), so
+the format (8-byte header length, JSON header, packed little-endian data) is written here and
+every test reads the result back with the library itself.
+
+Key renaming is a plug-in point: ``register_key_renamer(name, fn)`` or the entry-point group
+``dist_ckpt.key_renamers``; ``rename=`` takes a name or a callable ``(key) -> new key or None``
+(None drops the tensor).
+
+The export is written into a hidden directory next to ``dst`` and renamed into place when
+complete: an interrupted export leaves no partial ``dst``. ``dst`` must not exist or be empty.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from .commit import fsync_directory
+from .core import CheckpointExistsError, CheckpointingException
+from .formats import SAFETENSORS_INDEX_FNAME
+from .mapping import ShardedTensor
+from .serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
+from .strategies.base import LoadShardedStrategy
+from .strategies.torch_record import tensor_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "export_safetensors",
+    "register_key_renamer",
+    "get_key_renamer",
+    "parse_size",
+    "parse_dtype",
+    "KEY_RENAMER_ENTRY_POINT_GROUP",
+    "ExportResult",
+]
+
+KEY_RENAMER_ENTRY_POINT_GROUP = "dist_ckpt.key_renamers"
+KeyRenamer = Callable[[str], Optional[str]]
+
+_TORCH_TO_SAFETENSORS: Dict[torch.dtype, str] = {}
+_DTYPE_NAMES = {
+    "fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32, "float32": torch.float32,
+    "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_renamers: Dict[str, KeyRenamer] = {"identity": lambda key: key}
+
+
+def _safetensors_dtype(dtype: torch.dtype) -> str:
+    if not _TORCH_TO_SAFETENSORS:
+        from .strategies.hf_safetensors import SAFETENSORS_DTYPES
+
+        _TORCH_TO_SAFETENSORS.update({v: k for k, v in SAFETENSORS_DTYPES.items()})
+    if dtype not in _TORCH_TO_SAFETENSORS:
+        raise CheckpointingException(f"safetensors cannot store {dtype}")
+    return _TORCH_TO_SAFETENSORS[dtype]
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """``5GB`` (10^9), ``512MiB`` (2^20), or a number of bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+        if not match or match.group(2) not in _UNITS:
+            raise ValueError(f"not a size: {size!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+        value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if value <= 0:
+        raise ValueError(f"a shard size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(name: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``bf16``/``fp16``/``fp32``/``fp64`` (or a torch floating dtype), or None for "keep"."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name.lower() not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; one of {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name.lower()]
+
+
+def register_key_renamer(name: str, fn: KeyRenamer, override: bool = False) -> None:
+    """Make ``fn`` available as ``export_safetensors(rename=name)`` / ``--rename name``."""
+    if name in _renamers and not override:
+        raise ValueError(f"a key renamer named {name!r} is registered already; pass override=True to replace it")
+    _renamers[name] = fn
+
+
+def get_key_renamer(name: str) -> KeyRenamer:
+    """A registered renamer, or one from the ``dist_ckpt.key_renamers`` entry-point group."""
+    if name not in _renamers:
+        for ep in importlib.metadata.entry_points(group=KEY_RENAMER_ENTRY_POINT_GROUP):
+            if ep.name == name:
+                _renamers[name] = ep.load()
+                break
+    if name not in _renamers:
+        raise CheckpointingException(
+            f"no key renamer named {name!r}; registered: {sorted(_renamers)} (add one with "
+            f"dist_ckpt.export.register_key_renamer or the '{KEY_RENAMER_ENTRY_POINT_GROUP}' entry-point group)"
+        )
+    return _renamers[name]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    source_key: str
+    source_dtype: torch.dtype
+    name: str
+    dtype: torch.dtype  # what is written
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export_safetensors`` wrote."""
+
+    files: List[str]
+    tensors: int
+    total_size: int
+
+
+def _plan_shards(tensors: List[_Planned], max_shard_size: int) -> List[List[_Planned]]:
+    """Greedy, in order, as transformers does: a tensor larger than the limit gets a file alone."""
+    shards: List[List[_Planned]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return [s for s in shards if s]
+
+
+def _header(shard: List[_Planned]) -> bytes:
+    header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+        header[t.name] = {"dtype": _safetensors_dtype(t.dtype), "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned, as the library writes it
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def export_safetensors(
+    src: Union[str, os.PathLike],
+    dst: Union[str, os.PathLike],
+    max_shard_size: Union[int, str] = "5GB",
+    include: Optional[str] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    rename: Union[str, KeyRenamer, None] = None,
+    progress: Optional[Callable[[Iterable], Iterable]] = None,
+) -> ExportResult:
+    """Write every tensor of checkpoint ``src`` (any format dist_ckpt reads) to ``dst`` as HF
+    safetensors shards plus index; one process, no process group needed.
+
+    Args:
+        max_shard_size: bytes per file (``"5GB"``, ``"500MiB"`` or an int); a larger tensor
+            gets a file of its own.
+        include: keep only the keys this regular expression finds (``re.search``).
+        dtype: cast floating-point tensors to this dtype (``"bf16"``...); None keeps each dtype.
+        rename: a registered renamer's name or a function of the key; None keeps the keys.
+        progress: wraps the iteration over tensors (e.g. ``tqdm``).
+    Raises:
+        CheckpointExistsError: ``dst`` exists and is not an empty directory.
+        CheckpointingException: two keys renamed to one name, or no tensor left to export.
+    """
+    src, dst = Path(src), Path(os.path.abspath(dst))
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointExistsError(f"{dst} exists and is not an empty directory; export to a new directory")
+    limit = parse_size(max_shard_size)
+    cast = parse_dtype(dtype)
+    renamer = get_key_renamer(rename) if isinstance(rename, str) else (rename or (lambda key: key))
+    pattern = re.compile(include) if include else None
+    loader, _ = verify_checkpoint_and_load_strategy(src)
+    planned: List[_Planned] = []
+    names: Dict[str, str] = {}
+    for key, sh in load_tensors_metadata(src, loader).items():
+        if pattern is not None and not pattern.search(key):
+            continue
+        name = renamer(key)
+        if name is None:
+            continue
+        if name in names:
+            raise CheckpointingException(f"'{key}' and '{names[name]}' are both renamed to '{name}'")
+        names[name] = key
+        out_dtype = cast if cast is not None and sh.dtype.is_floating_point else sh.dtype
+        planned.append(_Planned(key, sh.dtype, name, out_dtype, tuple(sh.global_shape)))
+    if not planned:
+        raise CheckpointingException(f"no tensor of {src} to export" + (f" matches {include!r}" if include else ""))
+    shards = _plan_shards(planned, limit)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    staging = dst.parent / f".{dst.name}.export-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        order = [(i, t) for i, shard in enumerate(shards) for t in shard]
+        current: Optional[BinaryIO] = None
+        current_index = -1
+        for i, t in (progress(order) if progress else order):
+            if i != current_index:
+                if current is not None:
+                    _close_durably(current)
+                current, current_index = open(staging / files[i], "wb"), i
+                current.write(_header(shards[i]))
+            tensor = _read_whole(loader, src, t)
+            current.write(tensor_bytes(tensor))  # type: ignore[union-attr]
+            del tensor  # one tensor in memory at a time
+        if current is not None:
+            _close_durably(current)
+        total = sum(t.nbytes for t in planned)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: files[i] for i, shard in enumerate(shards) for t in shard}}
+        with open(staging / SAFETENSORS_INDEX_FNAME, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_directory(staging)
+        if dst.exists():
+            dst.rmdir()  # empty (checked above); rename cannot replace a directory otherwise on all systems
+        os.rename(staging, dst)
+        fsync_directory(dst.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("exported %d tensors (%d bytes) of %s to %s in %d files", len(planned), total, src, dst, len(files))
+    return ExportResult(files, len(planned), total)
+
+
+def _close_durably(f: BinaryIO) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    f.close()
+
+
+def _read_whole(loader: LoadShardedStrategy, src: Path, t: _Planned) -> torch.Tensor:
+    """The whole tensor from the source, in the export dtype, contiguous on CPU."""
+    meta = torch.empty(t.shape, dtype=t.source_dtype, device="meta")
+    request = ShardedTensor.from_rank_offsets(t.source_key, meta).without_data()
+    request.init_data("cpu")
+    loaded = loader.load({t.source_key: request}, src)[t.source_key]
+    if loaded.dtype != t.dtype:
+        loaded = loaded.to(t.dtype)
+    return loaded.contiguous()

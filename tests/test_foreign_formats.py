@@ -1,0 +1,301 @@
+"""Checkpoints of other tools as sources, and Hugging Face safetensors as a target.
+
+* Plain PyTorch DCP: written in the test by ``torch.distributed.checkpoint.save`` from 2 gloo
+  ranks (DTensor-sharded weights, nested optimizer state, plain values), then read by key in
+  another layout, whole, inspected, validated, converted and exported.
+* safetensors directories written by the ``safetensors`` library itself (with and without an
+  index): loaded into TP slices and flattened ranges on 2 gloo ranks, converted, validated.
+* ``export_safetensors``: from torch_dist and zarr checkpoints, shards by size, include, dtype,
+  renaming through the registry, bounded memory, refused targets; read back with the library.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import dist_ckpt
+from dist_ckpt import ShardedTensor
+from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, MismatchError
+from dist_ckpt.export import export_safetensors, register_key_renamer
+from dist_helpers import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def _full(key: str, shape, dtype=torch.float32) -> torch.Tensor:
+    """Deterministic values per key (the same on every rank and in the checks)."""
+    g = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _read_safetensors_dir(directory: Path) -> dict:
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+# -- plain PyTorch DCP ------------------------------------------------------------------------------
+
+DCP_SHAPES = {"model.layers.0.weight": (8, 6), "model.layers.0.bias": (8,), "model.embed.weight": (10, 4)}
+
+
+def _dcp_save_then_load(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = {}
+    for key, shape in DCP_SHAPES.items():
+        placement = [Replicate()] if key.endswith("bias") else [Shard(0)]
+        model[key.removeprefix("model.")] = distribute_tensor(_full(key, shape), mesh, placement)
+    optim = {
+        "state": {name: {"exp_avg": distribute_tensor(_full(f"optim.{name}.exp_avg", DCP_SHAPES["model." + name]),
+                                                      mesh, [Shard(0)]),
+                         "step": torch.tensor(7.0)}
+                  for name in ("layers.0.weight", "embed.weight")},
+        "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95), "params": ["layers.0.weight", "embed.weight"]}],
+    }
+    dcp.save({"model": model, "optim": optim, "step": 42}, checkpoint_id=f"{root}/dcp")
+    dist.barrier()
+    # read back by flattened key into another layout: column halves of the weight (TP on dim 1),
+    # a flattened range of the embedding, the replicated bias whole
+    w = ShardedTensor.from_rank_offsets("model.layers.0.weight", torch.empty(8, 3), (1, rank, world))
+    emb = ShardedTensor.from_rank_offsets_flat("model.embed.weight", torch.empty(20), (10, 4),
+                                               flattened_range=slice(20 * rank, 20 * rank + 20))
+    bias = ShardedTensor.from_rank_offsets("model.layers.0.bias", torch.empty(8), replica_id=rank)
+    loaded = dist_ckpt.load({"w": w, "emb": emb, "bias": bias}, f"{root}/dcp")
+    return {"w": loaded["w"], "emb": loaded["emb"], "bias": loaded["bias"], "step": loaded["step"]}
+
+
+@pytest.fixture(scope="module")
+def dcp_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    results = run_distributed(_dcp_save_then_load, 2, str(root))
+    return root / "dcp", results
+
+
+def test_native_dcp_loads_resharded_by_flattened_key(dcp_checkpoint):
+    _, results = dcp_checkpoint
+    weight = _full("model.layers.0.weight", (8, 6))
+    for rank, got in enumerate(results):
+        assert torch.equal(got["w"], weight[:, 3 * rank: 3 * rank + 3])
+        assert torch.equal(got["emb"], _full("model.embed.weight", (10, 4)).reshape(-1)[20 * rank: 20 * rank + 20])
+        assert torch.equal(got["bias"], _full("model.layers.0.bias", (8,)))
+        assert got["step"] == 42  # the common state (DCP's bytes items) is merged into the result
+
+
+def test_native_dcp_plain_tensors_common_state_and_validate(dcp_checkpoint):
+    ckpt, _ = dcp_checkpoint
+    tensors = dist_ckpt.load_plain_tensors(ckpt)
+    expected = {k: _full(k, s) for k, s in DCP_SHAPES.items()}
+    for name in ("layers.0.weight", "embed.weight"):
+        expected[f"optim.state.{name}.exp_avg"] = _full(f"optim.{name}.exp_avg", DCP_SHAPES["model." + name])
+        expected[f"optim.state.{name}.step"] = torch.tensor(7.0)
+    assert set(tensors) == set(expected)
+    assert all(torch.equal(tensors[k], v) for k, v in expected.items())
+    common = dist_ckpt.load_common_state_dict(ckpt)
+    assert common["step"] == 42 and common["optim.param_groups.0.lr"] == 0.01
+    assert common["optim.param_groups.0.betas"] == (0.9, 0.95)
+    md = dist_ckpt.load_tensors_metadata(ckpt)
+    assert tuple(md["model.embed.weight"].global_shape) == (10, 4)
+    from dist_ckpt.checkpoint_check import validate_checkpoint
+
+    report = validate_checkpoint(ckpt)
+    assert report.ok, report.problems
+
+
+def test_native_dcp_convert_and_export(dcp_checkpoint, tmp_path):
+    ckpt, _ = dcp_checkpoint
+    source = dist_ckpt.load_plain_tensors(ckpt)
+    from dist_ckpt.convert import convert_checkpoint
+
+    convert_checkpoint(ckpt, tmp_path / "converted", "torch_dist")
+    converted = dist_ckpt.load_plain_tensors(tmp_path / "converted")
+    assert set(converted) == set(source) and all(torch.equal(converted[k], v) for k, v in source.items())
+    assert dist_ckpt.load_common_state_dict(tmp_path / "converted")["step"] == 42
+    export_safetensors(ckpt, tmp_path / "hf")
+    exported = _read_safetensors_dir(tmp_path / "hf")
+    assert set(exported) == set(source) and all(torch.equal(exported[k], v) for k, v in source.items())
+
+
+# -- safetensors as a source ------------------------------------------------------------------------
+
+HF_TENSORS = {
+    "model.embed_tokens.weight": ((16, 8), torch.bfloat16),
+    "model.layers.0.mlp.up_proj.weight": ((12, 8), torch.bfloat16),
+    "model.layers.0.input_layernorm.weight": ((8,), torch.float32),
+    "lm_head.weight": ((16, 8), torch.float16),
+}
+
+
+def _write_hf(directory: Path, with_index: bool) -> None:
+    directory.mkdir(parents=True)
+    first = {k: _full(k, *HF_TENSORS[k]) for k in list(HF_TENSORS)[:2]}
+    second = {k: _full(k, *HF_TENSORS[k]) for k in list(HF_TENSORS)[2:]}
+    save_file(first, str(directory / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(second, str(directory / "model-00002-of-00002.safetensors"), metadata={"format": "pt"})
+    if with_index:
+        weight_map = {k: "model-00001-of-00002.safetensors" for k in first}
+        weight_map.update({k: "model-00002-of-00002.safetensors" for k in second})
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 0},
+                                                                             "weight_map": weight_map}))
+
+
+def _hf_tp_load(rank: int, world: int, directory: str) -> dict:
+    up_shape, up_dtype = HF_TENSORS["model.layers.0.mlp.up_proj.weight"]
+    request = {
+        # TP: rows of up_proj (column-parallel linear), columns of lm_head (row-parallel)
+        "up": ShardedTensor.from_rank_offsets("model.layers.0.mlp.up_proj.weight",
+                                              torch.empty(6, 8, dtype=up_dtype), (0, rank, world)),
+        "head": ShardedTensor.from_rank_offsets("lm_head.weight", torch.empty(16, 4, dtype=torch.float16),
+                                                (1, rank, world)),
+        "norm": ShardedTensor.from_rank_offsets("model.layers.0.input_layernorm.weight", torch.empty(8),
+                                                replica_id=rank),
+        "emb": ShardedTensor.from_rank_offsets_flat("model.embed_tokens.weight", torch.empty(50, dtype=torch.bfloat16),
+                                                    (16, 8), flattened_range=slice(64 * rank + 5, 64 * rank + 55)),
+    }
+    out = dist_ckpt.load(request, directory, validate_access_integrity=False)
+    return {k: v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_safetensors_source_loads_into_tp_layout(tmp_path, with_index):
+    directory = tmp_path / "hf"
+    _write_hf(directory, with_index)
+    for rank, got in enumerate(run_distributed(_hf_tp_load, 2, str(directory))):
+        up = _full("model.layers.0.mlp.up_proj.weight", *HF_TENSORS["model.layers.0.mlp.up_proj.weight"])
+        head = _full("lm_head.weight", *HF_TENSORS["lm_head.weight"])
+        emb = _full("model.embed_tokens.weight", *HF_TENSORS["model.embed_tokens.weight"])
+        assert got["up"].dtype == torch.bfloat16 and torch.equal(got["up"], up[6 * rank: 6 * rank + 6])
+        assert torch.equal(got["head"], head[:, 4 * rank: 4 * rank + 4])
+        assert torch.equal(got["norm"], _full("model.layers.0.input_layernorm.weight", (8,)))
+        assert torch.equal(got["emb"], emb.reshape(-1)[64 * rank + 5: 64 * rank + 55])
+
+
+def test_safetensors_source_whole_convert_validate_and_errors(tmp_path):
+    directory = tmp_path / "hf"
+    _write_hf(directory, with_index=True)
+    tensors = dist_ckpt.load_plain_tensors(directory)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == HF_TENSORS
+    assert all(torch.equal(v, _full(k, *HF_TENSORS[k])) for k, v in tensors.items())
+    assert dist_ckpt.load_common_state_dict(directory) == {}
+    from dist_ckpt.checkpoint_check import validate_checkpoint
+    from dist_ckpt.convert import convert_checkpoint
+
+    assert validate_checkpoint(directory).ok
+    convert_checkpoint(directory, tmp_path / "zarr", "zarr")
+    assert all(torch.equal(dist_ckpt.load_plain_tensors(tmp_path / "zarr")[k], v) for k, v in tensors.items())
+
+    wrong_dtype = {"x": ShardedTensor.from_rank_offsets("lm_head.weight", torch.empty(16, 8))}
+    with pytest.raises(MismatchError, match="lm_head.weight.*torch.float16"):
+        dist_ckpt.load(wrong_dtype, directory)
+    # an index that disagrees with the files, and a damaged header: our error naming the file
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index["weight_map"]["lm_head.weight"] = "model-00001-of-00002.safetensors"
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CorruptCheckpointError, match="lm_head.weight.*model-00001-of-00002"):
+        dist_ckpt.load_plain_tensors(directory)
+    (directory / "model.safetensors.index.json").unlink()
+    damaged = directory / "model-00002-of-00002.safetensors"
+    damaged.write_bytes(b"\xff" * 8 + damaged.read_bytes()[8:])
+    with pytest.raises(CorruptCheckpointError, match="model-00002-of-00002.safetensors"):
+        dist_ckpt.load_plain_tensors(directory)
+
+
+# -- export to safetensors --------------------------------------------------------------------------
+
+def _save_tp(rank: int, world: int, directory: str, backend: str) -> None:
+    state = {
+        "decoder.weight": ShardedTensor.from_rank_offsets(
+            "decoder.weight", _full("decoder.weight", (8, 6), torch.bfloat16)[4 * rank: 4 * rank + 4], (0, rank, world)),
+        "decoder.norm": ShardedTensor.from_rank_offsets("decoder.norm", _full("decoder.norm", (6,)), replica_id=rank),
+        "optimizer.exp_avg": ShardedTensor.from_rank_offsets(
+            "optimizer.exp_avg", _full("optimizer.exp_avg", (8, 6))[:, 3 * rank: 3 * rank + 3], (1, rank, world)),
+    }
+    dist_ckpt.save(state, directory, sharded_strategy=(backend, 1))
+
+
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_export_from_a_multirank_checkpoint(tmp_path, backend):
+    run_distributed(_save_tp, 2, str(tmp_path / "ckpt"), backend)
+    result = export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=100)  # bytes: a file per tensor
+    assert result.files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 8 * 6 * 2 + 6 * 4 + 8 * 6 * 4 == result.total_size
+    assert sorted(index["weight_map"]) == ["decoder.norm", "decoder.weight", "optimizer.exp_avg"]
+    exported = _read_safetensors_dir(tmp_path / "hf")
+    assert exported["decoder.weight"].dtype == torch.bfloat16
+    assert torch.equal(exported["decoder.weight"], _full("decoder.weight", (8, 6), torch.bfloat16))
+    assert torch.equal(exported["optimizer.exp_avg"], _full("optimizer.exp_avg", (8, 6)))
+    for name, file in index["weight_map"].items():  # the index says where each tensor is
+        with safe_open(str(tmp_path / "hf" / file), framework="pt") as f:
+            assert name in f.keys() and f.metadata() == {"format": "pt"}
+    # the export is itself a source: back into a TP layout
+    back = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("decoder.weight", torch.empty(4, 6, dtype=torch.bfloat16),
+                                                                 (0, 1, 2))},
+                          tmp_path / "hf", validate_access_integrity=False)
+    assert torch.equal(back["w"], _full("decoder.weight", (8, 6), torch.bfloat16)[4:])
+
+
+def test_export_include_dtype_rename_and_refusals(tmp_path):
+    run_distributed(_save_tp, 2, str(tmp_path / "ckpt"), "torch_dist")
+    register_key_renamer("test-hf-names", lambda key: key.replace("decoder.", "model.") if key.startswith("decoder.") else None,
+                         override=True)
+    export_safetensors(tmp_path / "ckpt", tmp_path / "hf", include=r"^decoder\.", dtype="fp16", rename="test-hf-names")
+    exported = _read_safetensors_dir(tmp_path / "hf")
+    assert sorted(exported) == ["model.norm", "model.weight"]
+    assert exported["model.weight"].dtype == torch.float16
+    assert torch.equal(exported["model.weight"], _full("decoder.weight", (8, 6), torch.bfloat16).to(torch.float16))
+    assert (tmp_path / "hf" / "model-00001-of-00001.safetensors").is_file()
+
+    with pytest.raises(CheckpointExistsError, match="not an empty directory"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "hf")  # refused: nothing of it is touched
+    assert sorted(_read_safetensors_dir(tmp_path / "hf")) == ["model.norm", "model.weight"]
+    with pytest.raises(CheckpointingException, match="both renamed"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "other", rename=lambda key: "same")
+    with pytest.raises(CheckpointingException, match="no key renamer named 'nope'"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "other", rename="nope")
+    with pytest.raises(ValueError, match="not a size"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "other", max_shard_size="5 parsecs")
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.export-*"))
+
+
+def test_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """8 tensors of 32 MiB: the export's peak resident memory grows by less than 3 of them."""
+    state = {f"layer{i}": ShardedTensor.from_rank_offsets(f"layer{i}", torch.full((8 << 20,), float(i)))
+             for i in range(8)}
+    dist_ckpt.save(state, tmp_path / "ckpt")
+    del state
+    process = psutil.Process()
+    before = process.memory_info().rss
+    peak = [before]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], process.memory_info().rss)
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        export_safetensors(tmp_path / "ckpt", tmp_path / "hf", max_shard_size="100MB")
+    finally:
+        done.set()
+        sampler.join()
+    extra_mib = (peak[0] - before) / 2**20
+    assert extra_mib < 3 * 32, f"export held {extra_mib:.0f} MiB at its peak (8 x 32 MiB tensors)"
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 4  # 2 x 33.6 MB fit in 100 MB, 3 do not
+    with safe_open(str(tmp_path / "hf" / "model-00004-of-00004.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("layer7"), torch.full((8 << 20,), 7.0))
