@@ -1,20 +1,24 @@
-"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``validate``, ``clean``, ``strategies``."""
+"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``export``, ``validate``, ``clean``, ``strategies``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 __all__ = ["main"]
 
 
 def _inspect(directory: str) -> None:
-    from .core import maybe_load_config
+    from pathlib import Path
+
+    from .formats import describe_format, detect_checkpoint_config
     from .serialization import load_common_state_dict, load_sharded_metadata
 
-    config = maybe_load_config(directory)
-    print(f"{directory}: {config}")
+    config = detect_checkpoint_config(Path(directory))
+    if config is not None:
+        print(f"{directory}: {describe_format(Path(directory))}, sharded backend {config.sharded_backend} "
+              f"v{config.sharded_backend_version}, common backend {config.common_backend} v{config.common_backend_version}")
     for key, sh in sorted(load_sharded_metadata(directory).items()):
         if hasattr(sh, "dtype"):
             print(f"  tensor  {key:40s} {str(sh.dtype).replace('torch.', ''):9s} {tuple(sh.global_shape)}")
@@ -25,7 +29,10 @@ def _inspect(directory: str) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.")
+    parser.add_argument("--version", action="version", version=f"dist-ckpt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify")
     demo.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
@@ -38,6 +45,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     convert.add_argument("dst")
     convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
     convert.add_argument("--version", type=int, default=1)
+    export = sub.add_parser("export", help="write any checkpoint as Hugging Face safetensors shards + index, "
+                                           "streaming (e.g. dist-ckpt export ckpt/iter_0000100 hf_model)")
+    export.add_argument("src")
+    export.add_argument("dst", help="a new (or empty) directory")
+    export.add_argument("--format", choices=["safetensors"], default="safetensors")
+    export.add_argument("--max-shard-size", default="5GB", help="bytes per file: 5GB (default), 500MB, 2GiB")
+    export.add_argument("--include", default=None, help="only keys this regular expression finds")
+    export.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32")
+    export.add_argument("--rename", default=None, help="a registered key renamer (dist_ckpt.key_renamers entry points)")
     sub.add_parser("strategies", help="list registered strategies and whether their libraries are installed")
     validate = sub.add_parser("validate", help="check a checkpoint: structure, coverage, checksums")
     validate.add_argument("directory")
@@ -59,6 +75,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             convert_checkpoint(args.src, args.dst, args.backend, args.version)
             print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
+        elif args.command == "export":
+            from .export import export_safetensors
+
+            result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, args.rename,
+                                        progress=_progress_bar("exporting"))
+            print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
+                  f"in {len(result.files)} safetensors files")
         elif args.command == "validate":
             from .checkpoint_check import validate_checkpoint
 
@@ -87,7 +110,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CheckpointingException as e:
         print(f"dist-ckpt: error: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # bad option values (sizes, dtypes, patterns)
+        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `dist-ckpt inspect DIR | head`: the reader left, nothing more to say
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
     return 0
+
+
+def _progress_bar(what: str) -> Any:
+    """tqdm over an iterable when stderr is a terminal and tqdm is installed; else None."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return lambda iterable: tqdm(iterable, desc=what, unit="tensor", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -299,3 +299,28 @@ def test_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) == 4  # 2 x 33.6 MB fit in 100 MB, 3 do not
     with safe_open(str(tmp_path / "hf" / "model-00004-of-00004.safetensors"), framework="pt") as f:
         assert torch.equal(f.get_tensor("layer7"), torch.full((8 << 20,), 7.0))
+
+
+def test_cli_export_inspect_and_version(dcp_checkpoint, tmp_path, capsys):
+    from dist_ckpt import __version__
+    from dist_ckpt.cli import main
+
+    ckpt, _ = dcp_checkpoint
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "PyTorch DCP checkpoint, sharded backend dcp v1" in out and "model.embed.weight" in out
+    assert main(["export", str(ckpt), str(tmp_path / "hf"), "--include", "^model", "--dtype", "bf16",
+                 "--max-shard-size", "200"]) == 0
+    assert "exported 3 tensors" in capsys.readouterr().out
+    exported = _read_safetensors_dir(tmp_path / "hf")
+    assert sorted(exported) == sorted(DCP_SHAPES)
+    assert torch.equal(exported["model.embed.weight"], _full("model.embed.weight", (10, 4)).to(torch.bfloat16))
+    assert main(["inspect", str(tmp_path / "hf")]) == 0
+    assert "Hugging Face safetensors" in capsys.readouterr().out
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 1
+    assert "not an empty directory" in capsys.readouterr().err
+    assert main(["export", str(ckpt), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
+    assert "not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dist-ckpt {__version__}"
