@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from .core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
+from .strategies.common import COMMON_STATE_FNAME
 
 __all__ = [
     "NATIVE_DCP_BACKEND",
@@ -32,7 +33,6 @@ NATIVE_DCP_BACKEND = "dcp"
 SAFETENSORS_BACKEND = "safetensors"
 SAFETENSORS_INDEX_FNAME = "model.safetensors.index.json"
 _DCP_METADATA = ".metadata"
-_COMMON = "common.pt"
 
 
 def detect_checkpoint_config(checkpoint_dir: Path) -> Optional[CheckpointingConfig]:
@@ -41,7 +41,7 @@ def detect_checkpoint_config(checkpoint_dir: Path) -> Optional[CheckpointingConf
     config = maybe_load_config(checkpoint_dir)
     if config is not None:
         return config
-    if (checkpoint_dir / _DCP_METADATA).is_file() and not (checkpoint_dir / _COMMON).exists():
+    if (checkpoint_dir / _DCP_METADATA).is_file() and not (checkpoint_dir / COMMON_STATE_FNAME).exists():
         return CheckpointingConfig(NATIVE_DCP_BACKEND, 1, NATIVE_DCP_BACKEND, 1)
     if (checkpoint_dir / SAFETENSORS_INDEX_FNAME).is_file() or any(checkpoint_dir.glob("*.safetensors")):
         return CheckpointingConfig(SAFETENSORS_BACKEND, 1, SAFETENSORS_BACKEND, 1)

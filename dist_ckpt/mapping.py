@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .core import ShardingError
+from .core import MismatchError, ShardingError
 from .dict_utils import dict_list_map_inplace
 from .geometry import Box, Piece
 
@@ -243,6 +243,23 @@ class ShardedTensor(ShardedBase):
                 )
             chunks.append(axis_sh // axis_fragm)
         return tuple(chunks)
+
+    def check_against_stored(self, dtype: torch.dtype, shape: Tuple[int, ...], where: str = "") -> None:
+        """Raise ``MismatchError`` unless the stored tensor (``dtype``, global ``shape``; ``where``
+        names its file for the message) can fill this request: same dtype, same global shape
+        (or, with ``allow_shape_mismatch``, the same number of axes). Every load strategy calls it."""
+        if dtype != self.dtype:
+            raise MismatchError(
+                f"'{self.key}': the checkpoint holds {dtype}{where}, the request asks for {self.dtype}; "
+                f"load into a tensor of {dtype} and cast afterwards"
+            )
+        if tuple(shape) != tuple(self.global_shape) and not self.allow_shape_mismatch:
+            raise MismatchError(
+                f"'{self.key}': the checkpoint's global shape is {tuple(shape)}{where}, the request's is "
+                f"{tuple(self.global_shape)}; set allow_shape_mismatch=True to load the overlap"
+            )
+        if len(shape) != len(self.global_shape):
+            raise MismatchError(f"'{self.key}': the checkpoint has {len(shape)} axes{where}, the request {len(self.global_shape)}")
 
     # -- data -----------------------------------------------------------------------------
     def without_data(self) -> "ShardedTensor":

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..core import CorruptCheckpointError, KeyMismatchError, MismatchError
+from ..core import CorruptCheckpointError, KeyMismatchError
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..formats import SAFETENSORS_BACKEND, SAFETENSORS_INDEX_FNAME
 from ..geometry import Box, intersect
@@ -127,16 +127,7 @@ def _check_request(sh: ShardedTensor, entries: Dict[str, SafetensorsEntry], chec
             f"Tensor '{sh.key}' is not in {checkpoint_dir} (its safetensors files hold {len(stored)} tensors"
             f"{': ' + str(stored[:20]) if stored else ''}); use a non-default strict mode to skip it"
         )
-    if entry.dtype != sh.dtype:
-        raise MismatchError(
-            f"'{sh.key}': {entry.file} holds {entry.dtype}, the request asks for {sh.dtype}; "
-            f"load into a tensor of {entry.dtype} and cast afterwards"
-        )
-    if entry.shape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-        raise MismatchError(
-            f"'{sh.key}': {entry.file} holds shape {entry.shape}, the request's global shape is "
-            f"{tuple(sh.global_shape)}; set allow_shape_mismatch=True to load the overlap"
-        )
+    sh.check_against_stored(entry.dtype, entry.shape, where=f" (in {entry.file})")
     return entry
 
 
@@ -146,13 +137,23 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
     backend = SAFETENSORS_BACKEND
     supported_versions = (1,)
 
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return False
+    def __init__(self) -> None:
+        self._index: Tuple[Any, Dict[str, SafetensorsEntry]] = (None, {})
+
+    def _entries(self, checkpoint_dir: Path) -> Dict[str, SafetensorsEntry]:
+        """``read_safetensors_index``, kept while no file of the directory changed: ``convert`` and
+        ``export`` load one tensor per call, and re-reading every header each time is quadratic."""
+        signature = (str(checkpoint_dir.resolve()), sorted(
+            (p.name, st.st_size, st.st_mtime_ns)
+            for p in [*checkpoint_dir.glob("*.safetensors"), checkpoint_dir / SAFETENSORS_INDEX_FNAME]
+            if p.exists() for st in [p.stat()]))
+        if self._index[0] != signature:
+            self._index = (signature, read_safetensors_index(checkpoint_dir))
+        return self._index[1]
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)
-        entries = read_safetensors_index(checkpoint_dir)
+        entries = self._entries(checkpoint_dir)
         requests = [sh for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)]
         by_file: Dict[str, List[ShardedTensor]] = {}
         for sh in requests:
@@ -184,15 +185,12 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
             else:  # a flat range: sub-boxes are contiguous in the flat data (no mismatch allowed there)
                 flat[sub.flat_start: sub.flat_start + inter.numel] = values.reshape(-1)
 
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:  # objects: none (the base's rule)
         result: ShardedStateDict = {}
-        for key, entry in read_safetensors_index(Path(checkpoint_dir)).items():
+        for key, entry in self._entries(Path(checkpoint_dir)).items():
             meta = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
             result[key] = ShardedTensor.from_rank_offsets(key, meta).without_data()
         return result
-
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return self.load_tensors_metadata(checkpoint_dir)
 
 
 class SafetensorsLoadCommonStrategy(LoadCommonStrategy):

@@ -23,11 +23,11 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Dict, Iterable, List, Set, Tuple
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 
 __all__ = ["SharedArena", "JobPickler", "forget_arenas", "live_arena_ids"]
 
 ARENA_ALIGNMENT = 64  # every view starts 64-byte aligned (any dtype's alignment, cache lines)
-_TAG = "dist_ckpt-arena"
 
 _ids = itertools.count(1)
 _live: "weakref.WeakValueDictionary[int, SharedArena]" = weakref.WeakValueDictionary()  # by data_ptr
@@ -48,21 +48,13 @@ class SharedArena:
             total += _aligned(shape.numel() * dtype.itemsize)
         self.id = next(_ids)
         self.storage = torch.UntypedStorage(max(total, 1)).share_memory_()
-        self.nbytes = total
+        flat = torch.empty(0, dtype=torch.uint8).set_(self.storage)
         self.views: List[torch.Tensor] = [
-            torch.empty(0, dtype=dtype).set_(self.storage, offset // dtype.itemsize, shape, _contiguous_stride(shape))
+            flat[offset: offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
             for (shape, dtype), offset in zip(specs, offsets)
         ]
         with _live_lock:
             _live[self.storage.data_ptr()] = self
-
-
-def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 def live_arena_ids() -> Set[int]:
@@ -79,7 +71,7 @@ class JobPickler(ForkingPickler):
     def __init__(self, file: Any, known: Set[int]) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.known = known
-        self._reduce_other = self.dispatch_table.get(torch.Tensor)
+        self._reduce_other = self.dispatch_table[torch.Tensor]  # torch's (torch.multiprocessing)
         self.dispatch_table[torch.Tensor] = self._reduce_tensor
 
     def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
@@ -88,7 +80,7 @@ class JobPickler(ForkingPickler):
             with _live_lock:
                 arena = _live.get(tensor.untyped_storage().data_ptr())
         if arena is None:
-            return self._reduce_other(tensor) if self._reduce_other else tensor.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return self._reduce_other(tensor)
         storage = None if arena.id in self.known else arena.storage
         self.known.add(arena.id)
         return _arena_view, (arena.id, storage, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),

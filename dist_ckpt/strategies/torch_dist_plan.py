@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..core import CorruptCheckpointError, KeyMismatchError, MismatchError, ShardingError
+from ..core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ..geometry import Box, Piece, intersect
 from ..mapping import ShardedObject, ShardedTensor
 
@@ -246,17 +246,8 @@ def plan_tensor_reads(
                 f"Tensor '{sh.key}' is not in the checkpoint (it holds {len(stored)} tensors"
                 f"{': ' + str(stored[:20]) if stored else ''}); use a non-default strict mode to skip it"
             )
-        if md.properties.dtype != sh.dtype:
-            raise MismatchError(
-                f"'{sh.key}': the checkpoint holds {md.properties.dtype}, the request asks for {sh.dtype}; "
-                f"load into a tensor of {md.properties.dtype} and cast afterwards"
-            )
         stored_shape = stored_global_shape(sh.key, md, mcore_data)
-        if stored_shape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-            raise MismatchError(
-                f"'{sh.key}': the checkpoint's global shape is {stored_shape}, the request's is "
-                f"{tuple(sh.global_shape)}; set allow_shape_mismatch=True to load the overlap"
-            )
+        sh.check_against_stored(md.properties.dtype, stored_shape)
         if sh.key not in catalogs:
             catalogs[sh.key] = stored_tensor_catalog(sh.key, md, mcore_data)
         req_piece = sh.piece()

@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import numpy as np
 import torch
 
-from ..core import CheckpointingException, CorruptCheckpointError, KeyMismatchError, MismatchError, ShardingError
+from ..core import CheckpointingException, CorruptCheckpointError, KeyMismatchError, ShardingError
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..geometry import Box, intersect
 from ..integrity import load_manifest, update_manifest, verification, verification_enabled, verify_bytes
@@ -219,18 +219,7 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
         return dict_list_map_inplace(lambda x: x.data if isinstance(x, ShardedTensor) else x, sharded_state_dict)
 
     def _load_one(self, sh: ShardedTensor, meta: ZarrArrayMeta, array: Any, checkpoint_dir: Path) -> None:
-        if meta.dtype != sh.dtype:
-            raise MismatchError(
-                f"'{sh.key}': the checkpoint holds {meta.dtype}, the request asks for {sh.dtype}; "
-                f"load into a tensor of {meta.dtype} and cast afterwards"
-            )
-        if meta.shape != tuple(sh.global_shape) and not sh.allow_shape_mismatch:
-            raise MismatchError(
-                f"'{sh.key}': the checkpoint's global shape is {meta.shape}, the request's is "
-                f"{tuple(sh.global_shape)}; set allow_shape_mismatch=True to load the overlap"
-            )
-        if len(meta.shape) != len(sh.global_shape):
-            raise MismatchError(f"'{sh.key}': the checkpoint has {len(meta.shape)} axes, the request {len(sh.global_shape)}")
+        sh.check_against_stored(meta.dtype, meta.shape)
         bounds = Box((0,) * len(meta.shape), meta.shape)
         regions = [(sub, intersect(sub.box, bounds)) for sub in sh.piece().subboxes()]
         regions = [(sub, region) for sub, region in regions if region is not None]
