@@ -324,3 +324,21 @@ def test_cli_export_inspect_and_version(dcp_checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dist-ckpt {__version__}"
+
+
+def test_megatron_core_cannot_read_these_sources_dist_ckpt_can(dcp_checkpoint, tmp_path):
+    """Differential: the same plain-DCP and safetensors directories through megatron-core 0.16.1
+    (refuses both: no metadata.json) and dist_ckpt (reads both, bit-exact). Pinned so that a
+    Megatron-Core release that learns them shows up here."""
+    from megatron_cpu import megatron_dist_checkpointing
+
+    mcore = megatron_dist_checkpointing()
+    ckpt, _ = dcp_checkpoint
+    hf = tmp_path / "hf"
+    _write_hf(hf, with_index=True)
+    for source, key, expected in [(ckpt, "model.embed.weight", _full("model.embed.weight", (10, 4))),
+                                  (hf, "lm_head.weight", _full("lm_head.weight", *HF_TENSORS["lm_head.weight"]))]:
+        with pytest.raises(Exception) as refused:
+            mcore.load_plain_tensors(str(source))
+        assert str(refused.value) == f"{source} is not a distributed checkpoint"
+        assert torch.equal(dist_ckpt.load_plain_tensors(source)[key], expected)
