@@ -94,3 +94,49 @@ def test_megatron_core_reads_flattened_tensors_dist_ckpt_writes(tmp_path):
     assert tensors_bitwise_equal(plain[FLAT_KEY], expected)
     (legacy,) = run_distributed(_megatron_plain_tensors, 1, FIXTURES / "mcore0.10_torch_dist_w2_flat")
     assert tuple(legacy["optim.exp_avg_sq.model.embed.weight"].shape) == (1, 1, 288)
+
+
+def _load_converted_flat_with_megatron(rank, world, ckpt):
+    """Megatron-Core 0.16 reads the upgraded optimizer state as regular TP shards."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing import ShardedTensor as MShardedTensor
+
+    from dist_ckpt.dict_utils import tensors_bitwise_equal
+    from fixtures.megatron.expected import FLAT, global_tensor as fixture_tensor
+
+    (key, (shape, dtype)), = FLAT.items()
+    rows, cols = shape[0] // world, shape[1] // world
+    full = fixture_tensor(key, shape, dtype)
+    # TP row split, then (Megatron-Core wants one local shape per key and load) TP column split
+    rows_request = {
+        "rows": MShardedTensor.from_rank_offsets(key, torch.zeros(rows, shape[1], dtype=dtype), (0, rank, world)),
+        "embed": MShardedTensor.from_rank_offsets("model.embed.weight", torch.zeros(rows, 8), (0, rank, world)),
+    }
+    loaded = mdc.load(rows_request, ckpt)
+    assert tensors_bitwise_equal(loaded["rows"], full[rank * rows:(rank + 1) * rows])
+    embed = fixture_tensor("model.embed.weight", (36, 8), torch.float32)
+    assert tensors_bitwise_equal(loaded["embed"], embed[rank * rows:(rank + 1) * rows])
+    cols_request = {
+        "cols": MShardedTensor.from_rank_offsets(key, torch.zeros(shape[0], cols, dtype=dtype), (1, rank, world)),
+    }
+    loaded = mdc.load(cols_request, ckpt)
+    assert tensors_bitwise_equal(loaded["cols"], full[:, rank * cols:(rank + 1) * cols])
+    assert mdc.load_common_state_dict(ckpt)["iteration"] == 1234
+    return True
+
+
+def test_converted_flattened_optimizer_state_loads_in_megatron_core_016(tmp_path):
+    """Issue 9 part 5: `dist-ckpt convert` upgrades 0.10 flattened ranges to regular tensors."""
+    from dist_ckpt.cli import main
+
+    src = FIXTURES / "mcore0.10_torch_dist_w2_flat"
+    dst = tmp_path / "upgraded"
+    assert main(["convert", str(src), str(dst), "--backend", "torch_dist"]) == 0
+    meta = dist_ckpt.load_tensors_metadata(str(dst))
+    assert tuple(meta["optim.exp_avg_sq.model.embed.weight"].global_shape) == (36, 8)
+    assert meta["optim.exp_avg_sq.model.embed.weight"].flattened_range is None
+    assert run_distributed(_load_converted_flat_with_megatron, 2, str(dst)) == [True, True]
+    # the source, which Megatron-Core 0.16 cannot load in a regular layout, is untouched
+    (legacy,) = run_distributed(_megatron_plain_tensors, 1, src)
+    assert tuple(legacy["optim.exp_avg_sq.model.embed.weight"].shape) == (1, 1, 288)
