@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Union
+from typing import List, Optional, Union
 
 from .core import CheckpointingException
 from .integrity import MANIFEST_FNAME, hash_bytes, load_manifest, verification
@@ -40,10 +40,14 @@ class ValidationReport:
         return not self.problems
 
 
-def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike]) -> ValidationReport:
+def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
+                        storage_options: Optional[dict] = None) -> ValidationReport:
+    """Check the checkpoint at a path or URL (a URL's objects are checked in the local cache copy)."""
+    from .object_store import is_url, local_copy, localize
     from .validation import verify_checkpoint_and_load_strategy
 
-    directory = Path(checkpoint_dir)
+    directory = (local_copy(str(checkpoint_dir), storage_options, refresh=True) if is_url(checkpoint_dir)
+                 else localize(checkpoint_dir, storage_options))
     report = ValidationReport(directory)
     try:
         with verification(False):  # pass 3 checks every checksum, once

@@ -9,15 +9,15 @@ from typing import Any, List, Optional
 __all__ = ["main"]
 
 
-def _inspect(directory: str) -> None:
-    from pathlib import Path
-
+def _inspect(source: str, storage_options: Optional[dict]) -> None:
     from .formats import describe_format, detect_checkpoint_config
+    from .object_store import localize
     from .serialization import load_common_state_dict, load_sharded_metadata
 
-    config = detect_checkpoint_config(Path(directory))
+    directory = localize(source, storage_options)
+    config = detect_checkpoint_config(directory)
     if config is not None:
-        print(f"{directory}: {describe_format(Path(directory))}, sharded backend {config.sharded_backend} "
+        print(f"{source}: {describe_format(directory)}, sharded backend {config.sharded_backend} "
               f"v{config.sharded_backend_version}, common backend {config.common_backend} v{config.common_backend_version}")
     for key, sh in sorted(load_sharded_metadata(directory).items()):
         if hasattr(sh, "dtype"):
@@ -33,6 +33,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.")
     parser.add_argument("--version", action="version", version=f"dist-ckpt {__version__}")
+    parser.add_argument("--storage-options", default=None, metavar="JSON",
+                        help='fsspec options for URL sources and targets, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
+                             '(S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)')
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify")
     demo.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
@@ -64,28 +67,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .core import CheckpointingException
 
     try:
+        storage_options = _parse_storage_options(args.storage_options)
         if args.command == "demo":
             from .demo import run_demo
 
             run_demo(args.dir, args.save_ranks, args.load_ranks)
         elif args.command == "inspect":
-            _inspect(args.directory)
+            _inspect(args.directory, storage_options)
         elif args.command == "convert":
             from .convert import convert_checkpoint
 
-            convert_checkpoint(args.src, args.dst, args.backend, args.version)
+            convert_checkpoint(args.src, args.dst, args.backend, args.version, storage_options=storage_options,
+                               progress=_progress_bar("converting"))
             print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
         elif args.command == "export":
             from .export import export_safetensors
 
             result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, args.rename,
-                                        progress=_progress_bar("exporting"))
+                                        progress=_progress_bar("exporting"), storage_options=storage_options)
             print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
                   f"in {len(result.files)} safetensors files")
         elif args.command == "validate":
             from .checkpoint_check import validate_checkpoint
 
-            report = validate_checkpoint(args.directory)
+            report = validate_checkpoint(args.directory, storage_options=storage_options)
             for warning in report.warnings:
                 print(f"warning: {warning}")
             for problem in report.problems:
@@ -97,8 +102,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             from pathlib import Path
 
             from .commit import clean as clean_leftovers
+            from .object_store import clean_url, is_url
 
-            removed = clean_leftovers(Path(args.path))
+            removed = (clean_url(args.path, storage_options) if is_url(args.path)
+                       else clean_leftovers(Path(args.path)))
             for path in removed:
                 print(f"removed {path}")
             print(f"{len(removed)} leftover(s) removed")
@@ -119,6 +126,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
     return 0
+
+
+def _parse_storage_options(text: Optional[str]) -> Optional[dict]:
+    if text is None:
+        return None
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--storage-options must be a JSON object ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError("--storage-options must be a JSON object")
+    return value
 
 
 def _progress_bar(what: str) -> Any:

@@ -55,6 +55,7 @@ __all__ = [
     "fsync_directory",
     "atomic_write_bytes",
     "commit_staged",
+    "write_manifest_and_config",
     "ConcurrentSaveError",
     "SaveLock",
     "StagedSave",
@@ -489,12 +490,17 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
     return StagedSave(target, staging, overwrite, lock)
 
 
-def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: "List[Any]") -> None:
-    """Coordinator: the manifest, then ``metadata.json`` (both hashed, in the manifest), then the
-    atomic commit of the staging directory onto the target."""
+def write_manifest_and_config(directory: Path, config: CheckpointingConfig, entries: "List[Any]") -> None:
+    """The manifest, then ``metadata.json`` (both hashed, in the manifest): a checkpoint's last files."""
     from .integrity import ManifestEntry, hash_bytes, write_manifest
 
     content = config_bytes(config)
-    write_manifest(staged.staging, list(entries) + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
-    save_config(config, staged.staging)
+    write_manifest(directory, list(entries) + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
+    save_config(config, directory)
+
+
+def commit_staged(staged: StagedSave, config: CheckpointingConfig, entries: "List[Any]") -> None:
+    """Coordinator: the manifest and ``metadata.json``, then the atomic commit of the staging
+    directory onto the target."""
+    write_manifest_and_config(staged.staging, config, entries)
     staged.commit()

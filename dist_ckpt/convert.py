@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 from .commit import begin_save
 from .core import CheckpointingConfig
 from .integrity import forget_recorder, open_recorder
+from .object_store import begin_remote_save, is_url, localize, new_scratch_dir, publish_checkpoint
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from .serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import StrategyAction, resolve_strategy
@@ -25,9 +27,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["convert_checkpoint"]
 
 
-def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], backend: str, version: int = 1) -> None:
-    """Write the checkpoint ``src`` as a new checkpoint ``dst`` of ``(backend, version)``."""
-    src, dst = Path(src), Path(dst)
+def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], backend: str, version: int = 1,
+                       *, storage_options: Optional[dict] = None,
+                       progress: Optional[Callable[[Iterable], Iterable]] = None) -> None:
+    """Write the checkpoint ``src`` as a new checkpoint ``dst`` of ``(backend, version)``.
+
+    ``src`` and ``dst`` may be URLs (``storage_options`` for fsspec): a URL source is read from
+    the local cache, a URL target is written locally, then uploaded and committed as a save to
+    a URL is. ``progress`` wraps the iteration over tensors (e.g. ``tqdm``).
+    """
+    if is_url(dst):
+        remote = begin_remote_save(str(dst), False, storage_options)
+        scratch = new_scratch_dir("convert")
+        try:
+            convert_checkpoint(src, scratch / "checkpoint", backend, version, storage_options=storage_options,
+                               progress=progress)
+            publish_checkpoint(scratch / "checkpoint", remote)
+        except BaseException:
+            remote.abort()
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
+    src, dst = localize(src, storage_options), Path(dst)
     loader, common_loader = verify_checkpoint_and_load_strategy(src)
     saver = resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version), None)
     common_saver = resolve_strategy(StrategyAction.SAVE_COMMON, ("torch", 1), None)
@@ -37,7 +59,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     staged = begin_save(dst, overwrite=False)
     open_recorder(staged.staging)
     try:
-        _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects)
+        _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects, progress)
         config = CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version)
         commit_staged(staged, config, forget_recorder(staged.staging))
     except BaseException:
@@ -46,7 +68,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         raise
 
 
-def _convert_into(dst, loader, common_loader, saver, common_saver, src, tensors, objects) -> None:
+def _convert_into(dst, loader, common_loader, saver, common_saver, src, tensors, objects, progress=None) -> None:
     if objects:
         request = {o.unique_key: o for o in objects}
         loaded = (loader.load(request, src) if loader.can_handle_sharded_objects
@@ -56,7 +78,7 @@ def _convert_into(dst, loader, common_loader, saver, common_saver, src, tensors,
     common_saver.save_common(common_loader.load_common(src), dst)
 
     def batches() -> Iterator[ShardedStateDict]:
-        for sh in tensors:
+        for sh in (progress(tensors) if progress else tensors):
             sh.init_data("cpu")
             loader.load({sh.key: sh}, src)
             logger.info("converting %s %s %s", sh.key, tuple(sh.global_shape), sh.dtype)

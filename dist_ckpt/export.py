@@ -35,6 +35,7 @@ import torch
 from .commit import fsync_directory
 from .core import CheckpointExistsError, CheckpointingException
 from .formats import SAFETENSORS_INDEX_FNAME
+from .object_store import is_url, localize, new_scratch_dir, upload_files
 from .mapping import ShardedTensor
 from .serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import LoadShardedStrategy
@@ -175,6 +176,8 @@ def export_safetensors(
     dtype: Union[str, torch.dtype, None] = None,
     rename: Union[str, KeyRenamer, None] = None,
     progress: Optional[Callable[[Iterable], Iterable]] = None,
+    *,
+    storage_options: Optional[dict] = None,
 ) -> ExportResult:
     """Write every tensor of checkpoint ``src`` (any format dist_ckpt reads) to ``dst`` as HF
     safetensors shards plus index; one process, no process group needed.
@@ -186,11 +189,22 @@ def export_safetensors(
         dtype: cast floating-point tensors to this dtype (``"bf16"``...); None keeps each dtype.
         rename: a registered renamer's name or a function of the key; None keeps the keys.
         progress: wraps the iteration over tensors (e.g. ``tqdm``).
+        storage_options: for URL ``src``/``dst`` (fsspec). A URL target is written locally,
+            then uploaded, the index last; it must hold no objects.
     Raises:
         CheckpointExistsError: ``dst`` exists and is not an empty directory.
         CheckpointingException: two keys renamed to one name, or no tensor left to export.
     """
-    src, dst = Path(src), Path(os.path.abspath(dst))
+    if is_url(dst):
+        scratch = new_scratch_dir("export")
+        try:
+            result = export_safetensors(src, scratch / "export", max_shard_size, include, dtype, rename, progress,
+                                        storage_options=storage_options)
+            upload_files(scratch / "export", str(dst), storage_options, last=[SAFETENSORS_INDEX_FNAME])
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return result
+    src, dst = localize(src, storage_options), Path(os.path.abspath(dst))
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointExistsError(f"{dst} exists and is not an empty directory; export to a new directory")
     limit = parse_size(max_shard_size)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 from .collectives import DistWrapper
-from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries
+from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
+from .object_store import RemoteSave, begin_remote_save, files_owned, is_url, localize, scratch_listing
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -195,13 +197,14 @@ def compare_common_state_dicts(
 
 
 def load_content_metadata(
-    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None
+    checkpoint_dir: Optional[PathLike] = None, *, preloaded_state_dict: Optional[StateDict] = None,
+    storage_options: Optional[dict] = None,
 ) -> Optional[dict]:
     """The ``content_metadata`` a checkpoint was saved with, or None (Megatron-Core's API)."""
     if preloaded_state_dict is None:
         if checkpoint_dir is None:
             raise CheckpointingException("load_content_metadata needs checkpoint_dir or preloaded_state_dict")
-        preloaded_state_dict = load_common_state_dict(checkpoint_dir)
+        preloaded_state_dict = load_common_state_dict(checkpoint_dir, storage_options=storage_options)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
@@ -216,6 +219,7 @@ def save(
     content_metadata: Optional[dict] = None,
     *,
     overwrite: Optional[bool] = None,
+    storage_options: Optional[dict] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict from every rank into one checkpoint directory (collective).
 
@@ -243,11 +247,15 @@ def save(
             replace it; False: refuse (``CheckpointExistsError``). The old one stays in place
             until the new one is complete, then the two are swapped atomically: a crash at any
             instant leaves the old or the new checkpoint there, never a mix.
+        storage_options: for a URL ``checkpoint_dir`` (``s3://bucket/prefix`` or any fsspec
+            protocol), passed to fsspec (endpoint, credentials); see ``object_store`` for the
+            commit protocol without rename.
     """
     with gc_paused():
         return SaveTransaction(
             sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity,
             async_sharded_save, preprocess_common_before_consistancy_check, content_metadata, overwrite,
+            storage_options,
         ).run()
 
 
@@ -276,10 +284,13 @@ class SaveTransaction:
                  common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None],
                  validate_access_integrity: bool, async_sharded_save: bool,
                  preprocess_common: Optional[Callable[[StateDict], StateDict]], content_metadata: Optional[dict],
-                 overwrite: Optional[bool]) -> None:
+                 overwrite: Optional[bool], storage_options: Optional[dict] = None) -> None:
         self.dist = DistWrapper()
         self.state_dict = sharded_state_dict
-        self.target = Path(os.path.abspath(checkpoint_dir))
+        self.url = str(checkpoint_dir) if is_url(checkpoint_dir) else None
+        self.storage_options = storage_options
+        self.target = None if self.url else Path(os.path.abspath(localize(checkpoint_dir, storage_options)))
+        self.remote: Optional[RemoteSave] = None  # a save to a URL: every rank's
         self.sharded_strategy = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
         self.common_strategy = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
         if async_sharded_save and not isinstance(self.sharded_strategy, AsyncSaveShardedStrategy):
@@ -343,13 +354,21 @@ class SaveTransaction:
                 return None
             return [sh.without_data() for sh in nested_values(self.sharded_part)]
 
-        def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> str:
+        def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> Union[str, RemoteSave]:
             if validate:
                 validate_sharding_integrity(global_metadata)  # before anything touches the disk
+            if self.url is not None:
+                return begin_remote_save(self.url, self.overwrite, self.storage_options)
             self.staged = begin_save(self.target, self.overwrite)
             return str(self.staged.staging)
 
-        self.staging = Path(self.dist.all_reduce(local_metadata, prepare))
+        prepared = self.dist.all_reduce(local_metadata, prepare)
+        if isinstance(prepared, RemoteSave):
+            self.remote = prepared
+            self.staging = prepared.scratch
+            self.dist.all_run(lambda: self.staging.mkdir(parents=True, exist_ok=True))
+        else:
+            self.staging = Path(prepared)
         if fingerprint is not None:
             cache_owner.validated_fingerprint = fingerprint
         open_recorder(self.staging)
@@ -380,18 +399,39 @@ class SaveTransaction:
     def gather_and_commit(self) -> None:
         """Steps 4-5: checksums to the coordinator, which commits."""
         entries = forget_recorder(self.staging)
+        if self.remote is not None:
+            return self._upload_and_commit(entries)
 
         def finish(all_entries: List[List[ManifestEntry]]) -> None:
             commit_staged(self.staged, self.config, [e for rank_entries in all_entries for e in rank_entries])
 
         self.dist.all_reduce(lambda: entries, finish)
 
+    def _upload_and_commit(self, entries: List[ManifestEntry]) -> None:
+        """A URL target: the coordinator completes the scratch checkpoint, every rank uploads
+        the files it wrote, then the coordinator PUTs the pointer (``object_store``)."""
+        remote, dist = self.remote, self.dist
+
+        def assign(all_entries: List[List[ManifestEntry]]) -> List[List[str]]:
+            write_manifest_and_config(self.staging, self.config, [e for rank in all_entries for e in rank])
+            return files_owned(all_entries, scratch_listing(self.staging), dist.coordinator_rank)
+
+        mine = dist.reduce_scatter(lambda: entries, assign)
+        dist.all_run(lambda: remote.upload(mine))
+        dist.all_run(lambda: remote.commit(self.config) if dist.is_coordinator else None)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
     def abort(self) -> None:
-        """After a failure every rank knows of: forget the checksums, drop the staging directory."""
+        """After a failure every rank knows of: forget the checksums, drop the staging directory
+        (and, for a URL, what this save uploaded)."""
         if self.staging is not None:
             forget_recorder(self.staging)
         if self.staged is not None:
             self.staged.abort()
+        if self.remote is not None:
+            if self.dist.is_coordinator:
+                self.remote.abort()
+            shutil.rmtree(self.staging, ignore_errors=True)
 
 
 def load(
@@ -403,6 +443,7 @@ def load(
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     *,
     verify_checksums: bool = True,
+    storage_options: Optional[dict] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load into the layout ``sharded_state_dict`` describes (collective).
 
@@ -411,10 +452,12 @@ def load(
     ``strict`` = RETURN_UNEXPECTED / RETURN_ALL also (missing keys, unexpected keys).
     Every byte read is checked against the checkpoint's manifest unless ``verify_checksums``
     is False (checkpoints without a manifest load unchecked, as logged).
+    A URL ``checkpoint_dir`` (with ``storage_options`` for fsspec) is copied once per machine
+    into a local cache first (``object_store``).
     """
     with verification(verify_checksums), gc_paused():
         return _load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
-                     validate_access_integrity, strict)
+                     validate_access_integrity, strict, storage_options)
 
 
 def _load(
@@ -424,9 +467,12 @@ def _load(
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None],
     validate_access_integrity: bool,
     strict: Union[str, StrictHandling],
+    storage_options: Optional[dict] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     dist = DistWrapper()
-    checkpoint_dir = Path(checkpoint_dir)
+    if is_url(checkpoint_dir):  # downloaded (once per machine) in a step whose failure all ranks share
+        checkpoint_dir = dist.all_run(lambda: localize(checkpoint_dir, storage_options))
+    checkpoint_dir = localize(checkpoint_dir, storage_options)
     strict = parse_strict_flag(strict)
     needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
 
@@ -473,27 +519,34 @@ def _load(
     return result
 
 
-def load_common_state_dict(checkpoint_dir: PathLike, *, verify_checksums: bool = True) -> StateDict:
+def load_common_state_dict(checkpoint_dir: PathLike, *, verify_checksums: bool = True,
+                           storage_options: Optional[dict] = None) -> StateDict:
     """The common (non-sharded) part of a checkpoint; no process group needed."""
+    checkpoint_dir = localize(checkpoint_dir, storage_options)
     with verification(verify_checksums):
         _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
-        return common.load_common(Path(checkpoint_dir))
+        return common.load_common(checkpoint_dir)
 
 
 def load_tensors_metadata(
-    checkpoint_dir: PathLike, sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None
+    checkpoint_dir: PathLike, sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
+    *, storage_options: Optional[dict] = None,
 ) -> ShardedStateDict:
     """Every stored tensor as an unsharded ShardedTensor without data (global shape, dtype)."""
+    checkpoint_dir = localize(checkpoint_dir, storage_options)
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return sharded.load_tensors_metadata(Path(checkpoint_dir))
+    return sharded.load_tensors_metadata(checkpoint_dir)
 
 
 def load_sharded_metadata(
     checkpoint_dir: PathLike,
     sharded_strategy: Union[LoadShardedStrategy, Tuple[str, int], None] = None,
     common_strategy: Union[LoadCommonStrategy, Tuple[str, int], None] = None,
+    *,
+    storage_options: Optional[dict] = None,
 ) -> ShardedStateDict:
     """Tensors (as ``load_tensors_metadata``) and ShardedObjects (by unique key), no data."""
+    checkpoint_dir = localize(checkpoint_dir, storage_options)
     sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
     result = sharded.load_sharded_metadata(Path(checkpoint_dir))
     if not sharded.can_handle_sharded_objects:
@@ -501,8 +554,10 @@ def load_sharded_metadata(
     return result
 
 
-def load_plain_tensors(checkpoint_dir: PathLike, *, verify_checksums: bool = True) -> StateDict:
+def load_plain_tensors(checkpoint_dir: PathLike, *, verify_checksums: bool = True,
+                       storage_options: Optional[dict] = None) -> StateDict:
     """Every stored tensor, whole, on CPU, in this process alone (no process group needed)."""
+    checkpoint_dir = localize(checkpoint_dir, storage_options)
     with verification(verify_checksums):
         sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
         request = sharded.load_tensors_metadata(Path(checkpoint_dir))
@@ -516,6 +571,9 @@ def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
     checkpoint that shares its bytes (hard links) and committed by the same atomic swap, so a
     process killed at any instant leaves the checkpoint before or after the removal.
     """
+    if is_url(checkpoint_dir):
+        raise CheckpointingException(f"remove_sharded_tensors works on local checkpoints only, not {checkpoint_dir}; "
+                                     f"load, then save to the URL without those tensors")
     sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
     staged = begin_save(Path(os.path.abspath(checkpoint_dir)), overwrite=True)
     try:

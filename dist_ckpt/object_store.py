@@ -1,0 +1,443 @@
+"""Checkpoints at fsspec URLs (``s3://bucket/prefix``, ``gs://``, ``memory://``, ...).
+
+Object stores have no rename, so a save cannot be staged beside its target and renamed onto
+it. Layout of a checkpoint saved by dist_ckpt at URL ``U``::
+
+    U/dist_ckpt-save-<id>/     one complete checkpoint directory per save (metadata.json,
+                               common.pt, .metadata, *.distcp or zarr arrays, the manifest)
+    U/metadata.json            the commit point: the current save's config plus
+                               "dist_ckpt_data": "dist_ckpt-save-<id>"
+
+A save writes into a local scratch directory (``DIST_CKPT_SCRATCH``, default the system's
+temporary directory; the same path on every rank), every rank uploads the files it wrote to
+``U/dist_ckpt-save-<id>/``, and only when all have, the coordinator PUTs ``U/metadata.json``:
+one PUT, which readers see whole or not at all. Then it deletes what the replaced checkpoint
+had (earlier save directories, checkpoint files at ``U``'s root); other objects are kept.
+A save killed before that PUT leaves ``U/metadata.json`` naming the previous save, whose
+objects are untouched; one killed after it leaves the new one. Objects of an interrupted save
+are removed by the next save to ``U`` or by ``dist-ckpt clean U``. One writer per URL at a
+time: object stores have no lock that dies with its process.
+
+A load copies the objects of the save ``U/metadata.json`` names into a local cache once per
+machine (``DIST_CKPT_CACHE``, default ``~/.cache/dist_ckpt``; ranks of one machine share it,
+the first downloads under a file lock), then reads it as a local directory; a save directory
+never changes, so a cached copy is reused until the pointer moves. Checkpoints uploaded as
+plain directories (``aws s3 cp -r``) and foreign formats (PyTorch DCP, safetensors) are read
+too, cached under a digest of their object listing (names, sizes, ETags).
+
+For S3 the endpoint and credentials come from ``storage_options`` (passed to fsspec/s3fs) or
+the standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Requests are
+retried a bounded number of times (``DEFAULT_S3_OPTIONS``); then a ``StorageError`` names the
+URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
+
+from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
+    CheckpointNotFoundError, config_bytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "StorageError",
+    "DEFAULT_S3_OPTIONS",
+    "SAVE_DIR_PREFIX",
+    "POINTER_FIELD",
+    "is_url",
+    "StoreLocation",
+    "open_location",
+    "local_copy",
+    "localize",
+    "RemoteSave",
+    "begin_remote_save",
+    "clean_url",
+]
+
+SAVE_DIR_PREFIX = "dist_ckpt-save-"
+POINTER_FIELD = "dist_ckpt_data"
+# Bounded retries and timeouts: a refusing or unreachable endpoint ends in an error within
+# seconds, not a hang (s3fs itself retries a call 5 times, ~2 s of back-off in all; botocore
+# would add up to 5 attempts of its own to each).
+DEFAULT_S3_OPTIONS: Dict[str, Any] = {
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}},
+}
+PathOrUrl = Union[str, os.PathLike]
+
+
+class StorageError(CheckpointingException, OSError):
+    """A URL's storage refused or failed a request (after the bounded retries)."""
+
+
+def is_url(path: Any) -> bool:
+    """True for ``proto://...`` strings other than ``file://`` (those are local paths)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def _local_path(path: PathOrUrl) -> Path:
+    text = os.fspath(path)
+    return Path(text[len("file://"):] if isinstance(text, str) and text.startswith("file://") else text)
+
+
+@contextlib.contextmanager
+def _storage_errors(url: str, doing: str) -> Iterator[None]:
+    """Every failure of a storage call as one of our errors, naming the URL."""
+    try:
+        yield
+    except CheckpointingException:
+        raise
+    except FileNotFoundError as e:
+        raise CheckpointNotFoundError(f"{url}: {doing} failed, not found ({e})") from None
+    except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+        raise StorageError(f"{url}: {doing} failed ({type(e).__name__}: {e}); check the endpoint, "
+                           f"credentials and bucket (storage_options= or AWS_* variables)") from None
+    except Exception as e:  # botocore/aiohttp errors that are not OSErrors
+        if type(e).__module__.split(".")[0] in {"botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "gcsfs"}:
+            raise StorageError(f"{url}: {doing} failed ({type(e).__name__}: {e})") from None
+        raise
+
+
+@dataclass
+class StoreLocation:
+    """A URL resolved to an fsspec filesystem and the path inside it."""
+
+    url: str
+    fs: Any
+    path: str
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+
+    def child(self, name: str) -> str:
+        return f"{self.path.rstrip('/')}/{name}"
+
+    def child_url(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+
+def open_location(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> StoreLocation:
+    """The filesystem for ``url`` (fsspec), with bounded retries for S3 unless overridden."""
+    try:
+        import fsspec
+    except ImportError:  # pragma: no cover - fsspec comes with the s3 extra
+        raise CheckpointingException(f"{url}: URLs need fsspec; install dist_ckpt[s3]") from None
+    protocol = url.split("://", 1)[0]
+    options: Dict[str, Any] = {}
+    if protocol in ("s3", "s3a"):
+        # a fresh client per location: a cached one would keep the AWS_* variables of its creation
+        options = {"skip_instance_cache": True, **json.loads(json.dumps(DEFAULT_S3_OPTIONS))}
+        options["config_kwargs"].update((storage_options or {}).get("config_kwargs", {}))
+    options.update({k: v for k, v in (storage_options or {}).items() if k != "config_kwargs"})
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as e:
+        raise CheckpointingException(f"{url}: no filesystem for {protocol}:// ({e}); for S3 install dist_ckpt[s3]") from None
+    fs.invalidate_cache()  # other protocols share instances and their listings; another process may have written
+    return StoreLocation(url.rstrip("/"), fs, path.rstrip("/"), dict(storage_options or {}))
+
+
+def _read_pointer(loc: StoreLocation) -> Optional[Dict[str, Any]]:
+    """``U/metadata.json`` as a dict, or None when there is none."""
+    with _storage_errors(loc.url, f"reading {CONFIG_FNAME}"):
+        try:
+            raw = loc.fs.cat_file(loc.child(CONFIG_FNAME))
+        except FileNotFoundError:
+            return None
+    try:
+        content = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointingException(f"{loc.child_url(CONFIG_FNAME)} is not valid JSON ({e})") from None
+    return content if isinstance(content, dict) else None
+
+
+def _listing(loc: StoreLocation, prefix: str, skip_save_dirs: bool) -> Dict[str, Dict[str, Any]]:
+    """Objects under ``prefix``: relative name -> info (size, ETag)."""
+    with _storage_errors(loc.url, "listing objects"):
+        try:
+            found = loc.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            found = {}
+    out: Dict[str, Dict[str, Any]] = {}
+    for full, info in found.items():
+        if info.get("type") == "directory":
+            continue
+        rel = full[len(prefix):].lstrip("/")
+        parts = rel.split("/")
+        if not rel or ".." in parts or "" in parts:
+            raise CheckpointingException(f"{loc.url}: refusing the object name {full!r}")
+        if skip_save_dirs and parts[0].startswith(SAVE_DIR_PREFIX):
+            continue
+        out[rel] = info
+    return out
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("DIST_CKPT_CACHE") or Path.home() / ".cache" / "dist_ckpt")
+
+
+def _scratch_root() -> Path:
+    return Path(os.environ.get("DIST_CKPT_SCRATCH") or tempfile.gettempdir()) / "dist_ckpt-scratch"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def local_copy(url: str, storage_options: Optional[Mapping[str, Any]] = None, refresh: bool = False) -> Path:
+    """A local directory holding the checkpoint at ``url`` (downloaded once per machine;
+    ``refresh``: downloaded again even if cached, as ``validate`` does to check the store's bytes)."""
+    loc = open_location(url, storage_options)
+    pointer = _read_pointer(loc)
+    if pointer is not None and isinstance(pointer.get(POINTER_FIELD), str):
+        name = pointer[POINTER_FIELD]
+        if not name.startswith(SAVE_DIR_PREFIX) or "/" in name:
+            raise CheckpointingException(f"{loc.child_url(CONFIG_FNAME)} names {name!r}, not a save directory")
+        prefix = loc.child(name)
+        objects = _listing(loc, prefix, skip_save_dirs=False)
+        if CONFIG_FNAME not in objects:
+            raise CheckpointNotFoundError(f"{loc.child_url(name)}: the save {CONFIG_FNAME} names is missing its "
+                                          f"objects (deleted by hand?)")
+        key = name
+    else:
+        prefix = loc.path
+        objects = _listing(loc, prefix, skip_save_dirs=True)
+        digest = hashlib.sha256(json.dumps(sorted(
+            (rel, info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime") or ""))
+            for rel, info in objects.items()
+        )).encode()).hexdigest()[:20]
+        key = f"listing-{digest}"
+    if not objects:
+        raise CheckpointNotFoundError(f"{url}: no checkpoint there (no objects under this prefix)")
+    url_dir = _cache_root() / hashlib.sha256(loc.url.encode()).hexdigest()[:16]
+    target = url_dir / key
+    if target.is_dir() and not refresh:
+        return target
+    with _file_lock(url_dir / ".lock"):
+        if refresh:
+            shutil.rmtree(target, ignore_errors=True)
+        if target.is_dir():  # another rank of this machine downloaded it meanwhile
+            return target
+        partial = url_dir / f".partial-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            remote = [f"{prefix}/{rel}" for rel in objects]
+            local = [str(partial / rel) for rel in objects]
+            for path in local:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with _storage_errors(url, f"downloading {len(remote)} objects"):
+                loc.fs.get(remote, local)
+            os.rename(partial, target)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        (url_dir / "url").write_text(loc.url)
+        _prune_cache(url_dir, keep=target)
+    logger.info("%s: %d objects cached in %s", url, len(objects), target)
+    return target
+
+
+def _prune_cache(url_dir: Path, keep: Path, copies: int = 2) -> None:
+    """Keep the newest ``copies`` cached versions of one URL (the current one among them)."""
+    versions = sorted((p for p in url_dir.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [v for v in versions if v != keep][copies - 1:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def localize(path: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None) -> Path:
+    """A local path for a checkpoint given as a path or a URL (loads: downloaded, cached)."""
+    if is_url(path):
+        return local_copy(str(path), storage_options)
+    if storage_options:
+        raise CheckpointingException(f"storage_options were given for the local path {os.fspath(path)}; "
+                                     f"they apply to URLs only")
+    return _local_path(path)
+
+
+@dataclass
+class RemoteSave:
+    """One save to a URL: its local scratch directory and its save directory in the store."""
+
+    url: str
+    save_name: str
+    storage_options: Dict[str, Any]
+    overwrite: Optional[bool] = None
+
+    @property
+    def scratch(self) -> Path:
+        return _scratch_root() / self.save_name
+
+    def location(self) -> StoreLocation:
+        return open_location(self.url, self.storage_options)
+
+    def upload(self, names: Sequence[str], source: Optional[Path] = None) -> None:
+        """Every rank: its files of the scratch directory (or ``source``) into the save directory."""
+        if names:
+            _put(self.location(), source or self.scratch, names, self.save_name)
+
+    def commit(self, config: CheckpointingConfig) -> None:
+        """Coordinator, after every rank uploaded: the pointer PUT, then the old objects go."""
+        loc = self.location()
+        before = _read_pointer(loc)
+        if self.overwrite is False and before is not None:
+            raise CheckpointExistsError(f"another save committed a checkpoint at {self.url} while this one ran; "
+                                        f"this save was not committed (pass overwrite=True to replace)")
+        content = json.loads(config_bytes(config))
+        content[POINTER_FIELD] = self.save_name
+        with _storage_errors(self.url, f"writing {CONFIG_FNAME} (the commit)"):
+            loc.fs.pipe_file(loc.child(CONFIG_FNAME), json.dumps(content).encode())
+        _remove_replaced(loc, keep=self.save_name)
+
+    def abort(self) -> None:
+        """Coordinator: remove what this save uploaded (best effort; ``clean_url`` later)."""
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        try:
+            loc = self.location()
+            loc.fs.rm(loc.child(self.save_name), recursive=True)
+        except Exception as e:  # already gone, or the store is unreachable: the next save cleans
+            logger.debug("could not remove %s/%s: %s", self.url, self.save_name, e)
+
+
+def _put(loc: StoreLocation, source: Path, names: Sequence[str], under: str = "") -> None:
+    prefix = loc.child(under) if under else loc.path
+    with _storage_errors(loc.url, f"uploading {len(names)} files"):
+        loc.fs.put([str(source / n) for n in names], [f"{prefix}/{n}" for n in names])
+
+
+def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
+    """One process: a complete local checkpoint directory (``convert``'s output) to the URL of
+    ``remote`` (from ``begin_remote_save``), with the same commit as a save."""
+    from .core import maybe_load_config
+
+    config = maybe_load_config(local)
+    if config is None:  # pragma: no cover - the caller committed it
+        raise CheckpointingException(f"{local} is not a committed checkpoint")
+    remote.upload(sorted(scratch_listing(local)), source=local)
+    remote.commit(config)
+
+
+def upload_files(local: Path, url: str, storage_options: Optional[Mapping[str, Any]], last: Sequence[str]) -> None:
+    """A directory of plain files (an export) to an empty ``url``, the names ``last`` after the
+    others (the index of a safetensors export, which readers follow)."""
+    loc = open_location(url, storage_options)
+    if _listing(loc, loc.path, skip_save_dirs=False):
+        raise CheckpointExistsError(f"{url} holds objects already; export to a new prefix")
+    names = sorted(scratch_listing(local))
+    _put(loc, local, [n for n in names if n not in last])
+    _put(loc, local, [n for n in names if n in last])
+
+
+def new_scratch_dir(what: str) -> Path:
+    """A fresh local directory for a one-process job that ends in an upload."""
+    path = _scratch_root() / f"{what}-{uuid.uuid4().hex[:12]}"
+    path.mkdir(parents=True)
+    return path
+
+
+def _replaced_root_entries(names: Set[str]) -> Set[str]:
+    """Files at ``U``'s root that belong to a checkpoint uploaded as a plain directory."""
+    from .commit import checkpoint_entries
+
+    scratch = Path(tempfile.mkdtemp(prefix="dist_ckpt-names-"))
+    try:  # checkpoint_entries works on a directory: mirror the names (empty files)
+        for n in names:
+            (scratch / n).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / n).touch()
+        return {n for n in names if n.split("/", 1)[0] in checkpoint_entries(scratch)}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _remove_replaced(loc: StoreLocation, keep: str) -> List[str]:
+    """After the commit: other save directories and a replaced plain checkpoint's files."""
+    loc.fs.invalidate_cache(loc.path)
+    removed = _remove_interrupted(loc, keep)
+    root_files = {rel for rel in _listing(loc, loc.path, skip_save_dirs=True) if rel != CONFIG_FNAME}
+    stale = sorted(_replaced_root_entries(root_files)) if root_files else []
+    if stale:
+        with _storage_errors(loc.url, "removing the replaced checkpoint's files"):
+            loc.fs.rm([loc.child(n) for n in stale])
+        removed.extend(stale)
+    return removed
+
+
+def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Optional[Mapping[str, Any]]) -> RemoteSave:
+    """Coordinator: check the target, pick the save id, make the scratch directory."""
+    loc = open_location(url, storage_options)
+    pointer = _read_pointer(loc)
+    if pointer is not None:
+        if overwrite is False:
+            raise CheckpointExistsError(f"{url} already holds a committed checkpoint ({CONFIG_FNAME} exists); save "
+                                        f"to a new URL, or pass overwrite=True (or leave it None) to replace it")
+        if overwrite is None:
+            logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits", url)
+    with _storage_errors(url, "listing objects"):
+        nested = [p for p in loc.fs.glob(loc.child(f"*/{CONFIG_FNAME}"))
+                  if not p[len(loc.path):].lstrip("/").startswith(SAVE_DIR_PREFIX)]
+    if nested:
+        names = ", ".join(p[len(loc.path):].strip("/").split("/")[0] for p in nested[:5])
+        raise CheckpointExistsError(f"{url} holds other checkpoints ({names}); a checkpoint cannot contain "
+                                    f"checkpoints - save to a new prefix such as {url.rstrip('/')}/iter_0000001")
+    if pointer is None:
+        _remove_interrupted(loc, keep="")
+    remote = RemoteSave(loc.url, f"{SAVE_DIR_PREFIX}{uuid.uuid4().hex[:12]}", dict(storage_options or {}), overwrite)
+    return remote
+
+
+def _remove_interrupted(loc: StoreLocation, keep: str) -> List[str]:
+    """Save directories other than ``keep``: left by saves killed before their commit."""
+    with _storage_errors(loc.url, "listing objects"):
+        try:
+            children = loc.fs.ls(loc.path, detail=False)
+        except FileNotFoundError:
+            return []
+    removed = []
+    for child in children:
+        name = child.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(SAVE_DIR_PREFIX) and name != keep:
+            with _storage_errors(loc.url, f"removing {name}"):
+                loc.fs.rm(child, recursive=True)
+            removed.append(name)
+    return removed
+
+
+def clean_url(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> List[str]:
+    """Remove the objects interrupted saves left at ``url`` (never the committed checkpoint)."""
+    loc = open_location(url, storage_options)
+    pointer = _read_pointer(loc)
+    if pointer is None and not _listing(loc, loc.path, skip_save_dirs=False):
+        raise CheckpointNotFoundError(f"{url}: nothing there")
+    keep = pointer.get(POINTER_FIELD, "") if pointer else ""
+    return [f"{loc.url}/{name}" for name in _remove_interrupted(loc, str(keep))]
+
+
+def files_owned(entries_per_rank: List[List[Any]], listing: Set[str], coordinator: int) -> List[List[str]]:
+    """Which files each rank uploads: those its manifest entries name; the coordinator also
+    takes every file of its scratch directory no other rank's entries name (metadata.json,
+    the manifest, ``.metadata``, zarr array headers)."""
+    owned = [sorted({e.file for e in entries}) for entries in entries_per_rank]
+    claimed = {f for r, files in enumerate(owned) if r != coordinator for f in files}
+    owned[coordinator] = sorted((set(owned[coordinator]) | listing) - claimed)
+    return owned
+
+
+def scratch_listing(scratch: Path) -> Set[str]:
+    return {str(p.relative_to(scratch)) for p in scratch.rglob("*") if p.is_file()}
+
+
+__all__ += ["files_owned", "scratch_listing", "publish_checkpoint", "upload_files", "new_scratch_dir"]
