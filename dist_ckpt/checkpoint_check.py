@@ -18,10 +18,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Union
+from typing import Callable, Iterable, List, Optional, Union
 
 from .core import CheckpointingException
-from .integrity import MANIFEST_FNAME, hash_bytes, load_manifest, verification
+from .integrity import MANIFEST_FNAME, Manifest, hash_bytes, load_manifest, verification
+from .timing import phase
 from .mapping import ShardedObject
 
 __all__ = ["ValidationReport", "validate_checkpoint"]
@@ -41,7 +42,8 @@ class ValidationReport:
 
 
 def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
-                        storage_options: Optional[dict] = None) -> ValidationReport:
+                        storage_options: Optional[dict] = None,
+                        progress: Optional[Callable[[Iterable], Iterable]] = None) -> ValidationReport:
     """Check the checkpoint at a path or URL (a URL's objects are checked in the local cache copy)."""
     from .object_store import is_url, local_copy, localize
     from .validation import verify_checkpoint_and_load_strategy
@@ -60,7 +62,7 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
     except CheckpointingException as e:
         report.problems.append(str(e))
         manifest = None
-    with verification(False):
+    with verification(False), phase("validate: structure"):
         for step in (lambda: common.load_common(directory), lambda: _load_objects(directory, sharded, common)):
             try:
                 step()
@@ -70,7 +72,20 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
     if manifest is None:
         report.warnings.append(f"no {MANIFEST_FNAME}: checksums cannot be verified (a Megatron-Core or older checkpoint)")
         return report
-    for name, entries in sorted(manifest.files.items()):
+    with phase("validate: checksums"):
+        _verify_checksums(directory, manifest, report, progress)
+    known = set(manifest.files) | {MANIFEST_FNAME}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel not in known:
+            report.warnings.append(f"{path} is not covered by the manifest")
+    return report
+
+
+def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationReport,
+                      progress: Optional[Callable[[Iterable], Iterable]]) -> None:
+    files = sorted(manifest.files.items())
+    for name, entries in (progress(files) if progress else files):
         path = directory / name
         if not path.is_file():
             report.problems.append(f"{path} is listed in the manifest but missing")
@@ -90,12 +105,6 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
                     )
                 else:
                     report.checksums_verified += 1
-    known = set(manifest.files) | {MANIFEST_FNAME}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory).as_posix()
-        if rel not in known:
-            report.warnings.append(f"{path} is not covered by the manifest")
-    return report
 
 
 def _load_objects(directory: Path, sharded, common) -> None:

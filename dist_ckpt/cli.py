@@ -1,4 +1,4 @@
-"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``convert``, ``export``, ``validate``, ``clean``, ``strategies``."""
+"""The ``dist-ckpt`` command: ``demo``, ``inspect``, ``diff``, ``convert``, ``export``, ``validate``, ``clean``, ``strategies``."""
 
 from __future__ import annotations
 
@@ -9,23 +9,13 @@ from typing import Any, List, Optional
 __all__ = ["main"]
 
 
-def _inspect(source: str, storage_options: Optional[dict]) -> None:
-    from .formats import describe_format, detect_checkpoint_config
-    from .object_store import localize
-    from .serialization import load_common_state_dict, load_sharded_metadata
+def _inspect(source: str, storage_options: Optional[dict], as_json: bool) -> None:
+    import json
 
-    directory = localize(source, storage_options)
-    config = detect_checkpoint_config(directory)
-    if config is not None:
-        print(f"{source}: {describe_format(directory)}, sharded backend {config.sharded_backend} "
-              f"v{config.sharded_backend_version}, common backend {config.common_backend} v{config.common_backend_version}")
-    for key, sh in sorted(load_sharded_metadata(directory).items()):
-        if hasattr(sh, "dtype"):
-            print(f"  tensor  {key:40s} {str(sh.dtype).replace('torch.', ''):9s} {tuple(sh.global_shape)}")
-        else:
-            print(f"  object  {key}")
-    common = load_common_state_dict(directory)
-    print(f"  common: {sorted(common)}")
+    from .inspection import format_summary, summarize_checkpoint
+
+    summary = summarize_checkpoint(source, storage_options)
+    print(json.dumps(summary.to_json(), indent=2) if as_json else format_summary(summary))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -33,6 +23,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.")
     parser.add_argument("--version", action="version", version=f"dist-ckpt {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print a per-phase timing table to stderr")
     parser.add_argument("--storage-options", default=None, metavar="JSON",
                         help='fsspec options for URL sources and targets, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
                              '(S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)')
@@ -41,8 +32,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     demo.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
     demo.add_argument("--save-ranks", type=int, default=2)
     demo.add_argument("--load-ranks", type=int, default=3)
-    inspect = sub.add_parser("inspect", help="list the tensors, objects and common keys of a checkpoint")
-    inspect.add_argument("directory")
+    inspect = sub.add_parser("inspect", help="per tensor: dtype, shape, bytes, chunks, writers; totals per prefix; "
+                                             "backends (e.g. dist-ckpt inspect ckpt/iter_0000100 --json)")
+    inspect.add_argument("directory", help="a checkpoint directory or URL, any format")
+    inspect.add_argument("--json", action="store_true", help="one JSON document instead of text")
+    diff = sub.add_parser("diff", help="compare two checkpoints of any format, tensor by tensor; exit 1 when they "
+                                       "differ (e.g. dist-ckpt diff ckpt/iter_0000100 hf_model)")
+    diff.add_argument("a")
+    diff.add_argument("b")
     convert = sub.add_parser("convert", help="rewrite a checkpoint in another backend (one tensor in memory at a time)")
     convert.add_argument("src")
     convert.add_argument("dst")
@@ -65,55 +62,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     clean.add_argument("path", help="a checkpoint directory, or a directory of checkpoints")
     args = parser.parse_args(argv)
     from .core import CheckpointingException
+    from .timing import format_table, recording
 
     try:
-        storage_options = _parse_storage_options(args.storage_options)
-        if args.command == "demo":
-            from .demo import run_demo
-
-            run_demo(args.dir, args.save_ranks, args.load_ranks)
-        elif args.command == "inspect":
-            _inspect(args.directory, storage_options)
-        elif args.command == "convert":
-            from .convert import convert_checkpoint
-
-            convert_checkpoint(args.src, args.dst, args.backend, args.version, storage_options=storage_options,
-                               progress=_progress_bar("converting"))
-            print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
-        elif args.command == "export":
-            from .export import export_safetensors
-
-            result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, args.rename,
-                                        progress=_progress_bar("exporting"), storage_options=storage_options)
-            print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
-                  f"in {len(result.files)} safetensors files")
-        elif args.command == "validate":
-            from .checkpoint_check import validate_checkpoint
-
-            report = validate_checkpoint(args.directory, storage_options=storage_options)
-            for warning in report.warnings:
-                print(f"warning: {warning}")
-            for problem in report.problems:
-                print(f"PROBLEM: {problem}")
-            print(f"{args.directory}: {'OK' if report.ok else 'INVALID'} ({report.checksums_verified} checksums "
-                  f"verified in {report.files_checked} files, {len(report.problems)} problems)")
-            return 0 if report.ok else 1
-        elif args.command == "clean":
-            from pathlib import Path
-
-            from .commit import clean as clean_leftovers
-            from .object_store import clean_url, is_url
-
-            removed = (clean_url(args.path, storage_options) if is_url(args.path)
-                       else clean_leftovers(Path(args.path)))
-            for path in removed:
-                print(f"removed {path}")
-            print(f"{len(removed)} leftover(s) removed")
-        elif args.command == "strategies":
-            from .strategies.base import list_strategies
-
-            for row in list_strategies():
-                print(row)
+        with recording() as times:
+            code = _run(args)
+        if args.verbose:
+            sys.stdout.flush()
+            print(format_table(times), file=sys.stderr)
+        return code
     except CheckpointingException as e:
         print(f"dist-ckpt: error: {e}", file=sys.stderr)
         return 1
@@ -125,6 +82,64 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    """One command; errors are left to ``main``, which prints them as one line."""
+    storage_options = _parse_storage_options(args.storage_options)
+    if args.command == "demo":
+        from .demo import run_demo
+
+        run_demo(args.dir, args.save_ranks, args.load_ranks)
+    elif args.command == "inspect":
+        _inspect(args.directory, storage_options, args.json)
+    elif args.command == "diff":
+        from .diff import diff_checkpoints, format_report
+
+        report = diff_checkpoints(args.a, args.b, storage_options=storage_options, progress=_progress_bar("comparing"))
+        print(format_report(args.a, args.b, report))
+        return 0 if report.same else 1
+    elif args.command == "convert":
+        from .convert import convert_checkpoint
+
+        convert_checkpoint(args.src, args.dst, args.backend, args.version, storage_options=storage_options,
+                           progress=_progress_bar("converting"))
+        print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
+    elif args.command == "export":
+        from .export import export_safetensors
+
+        result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, args.rename,
+                                    progress=_progress_bar("exporting"), storage_options=storage_options)
+        print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
+              f"in {len(result.files)} safetensors files")
+    elif args.command == "validate":
+        from .checkpoint_check import validate_checkpoint
+
+        report = validate_checkpoint(args.directory, storage_options=storage_options,
+                                     progress=_progress_bar("verifying", unit="file"))
+        for warning in report.warnings:
+            print(f"warning: {warning}")
+        for problem in report.problems:
+            print(f"PROBLEM: {problem}")
+        print(f"{args.directory}: {'OK' if report.ok else 'INVALID'} ({report.checksums_verified} checksums "
+              f"verified in {report.files_checked} files, {len(report.problems)} problems)")
+        return 0 if report.ok else 1
+    elif args.command == "clean":
+        from pathlib import Path
+
+        from .commit import clean as clean_leftovers
+        from .object_store import clean_url, is_url
+
+        removed = (clean_url(args.path, storage_options) if is_url(args.path)
+                   else clean_leftovers(Path(args.path)))
+        for path in removed:
+            print(f"removed {path}")
+        print(f"{len(removed)} leftover(s) removed")
+    elif args.command == "strategies":
+        from .strategies.base import list_strategies
+
+        for row in list_strategies():
+            print(row)
     return 0
 
 
@@ -142,7 +157,7 @@ def _parse_storage_options(text: Optional[str]) -> Optional[dict]:
     return value
 
 
-def _progress_bar(what: str) -> Any:
+def _progress_bar(what: str, unit: str = "tensor") -> Any:
     """tqdm over an iterable when stderr is a terminal and tqdm is installed; else None."""
     if not sys.stderr.isatty():
         return None
@@ -150,7 +165,7 @@ def _progress_bar(what: str) -> Any:
         from tqdm import tqdm
     except ImportError:
         return None
-    return lambda iterable: tqdm(iterable, desc=what, unit="tensor", file=sys.stderr)
+    return lambda iterable: tqdm(iterable, desc=what, unit=unit, file=sys.stderr)
 
 
 if __name__ == "__main__":

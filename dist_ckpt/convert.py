@@ -18,6 +18,7 @@ from .commit import begin_save
 from .core import CheckpointingConfig
 from .integrity import forget_recorder, open_recorder
 from .object_store import begin_remote_save, is_url, localize, new_scratch_dir, publish_checkpoint
+from .timing import phase
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from .serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import StrategyAction, resolve_strategy
@@ -42,7 +43,8 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         try:
             convert_checkpoint(src, scratch / "checkpoint", backend, version, storage_options=storage_options,
                                progress=progress)
-            publish_checkpoint(scratch / "checkpoint", remote)
+            with phase("convert: upload and commit"):
+                publish_checkpoint(scratch / "checkpoint", remote)
         except BaseException:
             remote.abort()
             raise
@@ -53,15 +55,18 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     loader, common_loader = verify_checkpoint_and_load_strategy(src)
     saver = resolve_strategy(StrategyAction.SAVE_SHARDED, (backend, version), None)
     common_saver = resolve_strategy(StrategyAction.SAVE_COMMON, ("torch", 1), None)
-    metadata = load_sharded_metadata(src, loader, common_loader)
+    with phase("convert: metadata"):
+        metadata = load_sharded_metadata(src, loader, common_loader)
     tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
     objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
     staged = begin_save(dst, overwrite=False)
     open_recorder(staged.staging)
     try:
-        _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects, progress)
+        with phase("convert: tensors"):
+            _convert_into(staged.staging, loader, common_loader, saver, common_saver, src, tensors, objects, progress)
         config = CheckpointingConfig(saver.backend, saver.version, common_saver.backend, common_saver.version)
-        commit_staged(staged, config, forget_recorder(staged.staging))
+        with phase("convert: commit"):
+            commit_staged(staged, config, forget_recorder(staged.staging))
     except BaseException:
         forget_recorder(staged.staging)
         staged.abort()

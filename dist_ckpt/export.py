@@ -36,9 +36,10 @@ from .commit import fsync_directory
 from .core import CheckpointExistsError, CheckpointingException
 from .formats import SAFETENSORS_INDEX_FNAME
 from .object_store import is_url, localize, new_scratch_dir, upload_files
-from .mapping import ShardedTensor
 from .serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import LoadShardedStrategy
+from .streaming import read_whole_tensor
+from .timing import phase
 from .strategies.torch_record import tensor_bytes
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,8 @@ def export_safetensors(
         try:
             result = export_safetensors(src, scratch / "export", max_shard_size, include, dtype, rename, progress,
                                         storage_options=storage_options)
-            upload_files(scratch / "export", str(dst), storage_options, last=[SAFETENSORS_INDEX_FNAME])
+            with phase("export: upload"):
+                upload_files(scratch / "export", str(dst), storage_options, last=[SAFETENSORS_INDEX_FNAME])
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return result
@@ -232,20 +234,8 @@ def export_safetensors(
     staging = dst.parent / f".{dst.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
-        order = [(i, t) for i, shard in enumerate(shards) for t in shard]
-        current: Optional[BinaryIO] = None
-        current_index = -1
-        for i, t in (progress(order) if progress else order):
-            if i != current_index:
-                if current is not None:
-                    _close_durably(current)
-                current, current_index = open(staging / files[i], "wb"), i
-                current.write(_header(shards[i]))
-            tensor = _read_whole(loader, src, t)
-            current.write(tensor_bytes(tensor))  # type: ignore[union-attr]
-            del tensor  # one tensor in memory at a time
-        if current is not None:
-            _close_durably(current)
+        with phase("export: tensors"):
+            _write_shards(staging, shards, files, loader, src, progress)
         total = sum(t.nbytes for t in planned)
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: files[i] for i, shard in enumerate(shards) for t in shard}}
@@ -265,18 +255,26 @@ def export_safetensors(
     return ExportResult(files, len(planned), total)
 
 
+def _write_shards(staging: Path, shards: List[List[_Planned]], files: List[str], loader: LoadShardedStrategy,
+                  src: Path, progress: Optional[Callable[[Iterable], Iterable]]) -> None:
+    """Every shard file, tensor after tensor, each read whole and dropped before the next."""
+    order = [(i, t) for i, shard in enumerate(shards) for t in shard]
+    current: Optional[BinaryIO] = None
+    current_index = -1
+    for i, t in (progress(order) if progress else order):
+        if i != current_index:
+            if current is not None:
+                _close_durably(current)
+            current, current_index = open(staging / files[i], "wb"), i
+            current.write(_header(shards[i]))
+        tensor = read_whole_tensor(loader, src, t.source_key, t.shape, t.source_dtype, cast=t.dtype)
+        current.write(tensor_bytes(tensor))  # type: ignore[union-attr]
+        del tensor  # one tensor in memory at a time
+    if current is not None:
+        _close_durably(current)
+
+
 def _close_durably(f: BinaryIO) -> None:
     f.flush()
     os.fsync(f.fileno())
     f.close()
-
-
-def _read_whole(loader: LoadShardedStrategy, src: Path, t: _Planned) -> torch.Tensor:
-    """The whole tensor from the source, in the export dtype, contiguous on CPU."""
-    meta = torch.empty(t.shape, dtype=t.source_dtype, device="meta")
-    request = ShardedTensor.from_rank_offsets(t.source_key, meta).without_data()
-    request.init_data("cpu")
-    loaded = loader.load({t.source_key: request}, src)[t.source_key]
-    if loaded.dtype != t.dtype:
-        loaded = loaded.to(t.dtype)
-    return loaded.contiguous()

@@ -36,6 +36,7 @@ from .integrity import (
 )
 from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .fingerprint import structure_fingerprint
+from .timing import phase, progress_display
 from .mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -220,6 +221,7 @@ def save(
     *,
     overwrite: Optional[bool] = None,
     storage_options: Optional[dict] = None,
+    progress: bool = False,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict from every rank into one checkpoint directory (collective).
 
@@ -250,8 +252,9 @@ def save(
         storage_options: for a URL ``checkpoint_dir`` (``s3://bucket/prefix`` or any fsspec
             protocol), passed to fsspec (endpoint, credentials); see ``object_store`` for the
             commit protocol without rename.
+        progress: on rank 0 and a terminal, show the save's phases as they run (tqdm).
     """
-    with gc_paused():
+    with gc_paused(), progress_display(progress, "saving", 4, DistWrapper().rank):
         return SaveTransaction(
             sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy, validate_access_integrity,
             async_sharded_save, preprocess_common_before_consistancy_check, content_metadata, overwrite,
@@ -307,15 +310,19 @@ class SaveTransaction:
         self.config: Optional[CheckpointingConfig] = None
 
     def run(self) -> Optional[AsyncRequest]:
-        self.validate()
-        self.stage()
+        with phase("save: validate"):
+            self.validate()
+        with phase("save: stage"):
+            self.stage()
         try:
-            request = self.write()
+            with phase("save: write"):
+                request = self.write()
             if request is not None:
                 request.add_finalize_fn(self.gather_and_commit)
                 request.add_cleanup_fn(self.abort)
                 return request
-            self.gather_and_commit()
+            with phase("save: upload and commit" if self.remote is not None else "save: commit"):
+                self.gather_and_commit()
         except BaseException:
             self.abort()
             raise
@@ -444,6 +451,7 @@ def load(
     *,
     verify_checksums: bool = True,
     storage_options: Optional[dict] = None,
+    progress: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load into the layout ``sharded_state_dict`` describes (collective).
 
@@ -453,9 +461,10 @@ def load(
     Every byte read is checked against the checkpoint's manifest unless ``verify_checksums``
     is False (checkpoints without a manifest load unchecked, as logged).
     A URL ``checkpoint_dir`` (with ``storage_options`` for fsspec) is copied once per machine
-    into a local cache first (``object_store``).
+    into a local cache first (``object_store``). ``progress``: on rank 0 and a terminal, show
+    the load's phases as they run (tqdm).
     """
-    with verification(verify_checksums), gc_paused():
+    with verification(verify_checksums), gc_paused(), progress_display(progress, "loading", 3, DistWrapper().rank):
         return _load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
                      validate_access_integrity, strict, storage_options)
 
@@ -471,7 +480,8 @@ def _load(
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     dist = DistWrapper()
     if is_url(checkpoint_dir):  # downloaded (once per machine) in a step whose failure all ranks share
-        checkpoint_dir = dist.all_run(lambda: localize(checkpoint_dir, storage_options))
+        with phase("load: download"):
+            checkpoint_dir = dist.all_run(lambda: localize(checkpoint_dir, storage_options))
     checkpoint_dir = localize(checkpoint_dir, storage_options)
     strict = parse_strict_flag(strict)
     needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
@@ -486,7 +496,8 @@ def _load(
         local_md = [sh.without_data() for sh in nested_values(sharded_part)] if needs_global else None
         return sharded, common, common_state_dict, factories, sharded_part, nonpersistent, local_md
 
-    ctx, shared = dist.exchange(prepare, share=lambda c: c[-1])
+    with phase("load: metadata"):
+        ctx, shared = dist.exchange(prepare, share=lambda c: c[-1])
     sharded, common, common_state_dict, factories, sharded_part, nonpersistent, local_md = ctx
     global_md = shared if needs_global else None
 
@@ -513,7 +524,8 @@ def _load(
             result = apply_factory_merges(result, factories)
         return result, missing, unexpected
 
-    result, missing, unexpected = dist.all_run(load_local)
+    with phase("load: read"):
+        result, missing, unexpected = dist.all_run(load_local)
     if StrictHandling.requires_returning_mismatch_keys(strict):
         return result, missing, unexpected
     return result

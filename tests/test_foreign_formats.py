@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import dist_ckpt
+from conftest import FIXTURES
 from dist_ckpt import ShardedTensor
 from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, MismatchError
 from dist_ckpt.export import export_safetensors, register_key_renamer
@@ -308,7 +309,7 @@ def test_cli_export_inspect_and_version(dcp_checkpoint, tmp_path, capsys):
     ckpt, _ = dcp_checkpoint
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
-    assert "PyTorch DCP checkpoint, sharded backend dcp v1" in out and "model.embed.weight" in out
+    assert "PyTorch DCP checkpoint\n  sharded backend dcp v1" in out and "model.embed.weight" in out
     assert main(["export", str(ckpt), str(tmp_path / "hf"), "--include", "^model", "--dtype", "bf16",
                  "--max-shard-size", "200"]) == 0
     assert "exported 3 tensors" in capsys.readouterr().out
@@ -342,3 +343,110 @@ def test_megatron_core_cannot_read_these_sources_dist_ckpt_can(dcp_checkpoint, t
             mcore.load_plain_tensors(str(source))
         assert str(refused.value) == f"{source} is not a distributed checkpoint"
         assert torch.equal(dist_ckpt.load_plain_tensors(source)[key], expected)
+
+
+# -- tools: inspect (text and --json), diff, -v, progress --------------------------------------
+
+
+def _two_rank_checkpoint(rank, world, ckpt):
+    from model_utils import sharded_model
+
+    dist_ckpt.save(sharded_model(rank, world), ckpt)
+    return True
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("tools") / "ckpt")
+    run_distributed(_two_rank_checkpoint, 2, ckpt)
+    return ckpt
+
+
+def test_inspect_reports_bytes_chunks_writers_totals_and_json(tp2_checkpoint, capsys):
+    import json
+
+    from dist_ckpt.cli import main
+    from model_utils import MODEL
+
+    assert main(["inspect", "--json", tp2_checkpoint]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["sharded_backend"] == "torch_dist" and doc["sharded_backend_version"] == 1
+    assert doc["common_backend"] == "torch" and doc["manifest_version"] == 2
+    for key, (shape, dtype) in MODEL.items():
+        t = doc["tensors"][key]
+        assert t["shape"] == list(shape) and t["dtype"] == str(dtype).replace("torch.", "")
+        assert t["bytes"] == torch.Size(shape).numel() * dtype.itemsize
+    # the replicated norm is written once (rank 0's main replica); split tensors by both ranks
+    assert doc["tensors"]["final_norm.weight"]["chunks"] == 1
+    assert doc["tensors"]["final_norm.weight"]["writers"] == ["rank 0"]
+    assert doc["tensors"]["embedding.weight"]["chunks"] == 2
+    assert doc["tensors"]["embedding.weight"]["writers"] == ["rank 0", "rank 1"]
+    assert doc["tensors"]["layers.qkv.weight"]["chunks"] == 4  # 2 layers x 2 ranks
+    assert doc["totals"]["layers"] == {"tensors": 2, "bytes": doc["tensors"]["layers.qkv.weight"]["bytes"]
+                                       + doc["tensors"]["layers.proj.weight"]["bytes"]}
+    assert doc["total_bytes"] == sum(t["bytes"] for t in doc["tensors"].values())
+    assert doc["objects"] == ["rng/shard_0_2", "rng/shard_1_2"]
+    assert main(["inspect", tp2_checkpoint]) == 0
+    text = capsys.readouterr().out
+    assert "chunks    2  by rank 0, rank 1" in text and "total layers: 2 tensors" in text
+    # a megatron-core 0.10 zarr checkpoint: chunk files counted, writers not recorded
+    assert main(["inspect", "--json", str(FIXTURES / "mcore0.10_zarr_w3")]) == 0
+    zdoc = json.loads(capsys.readouterr().out)
+    assert zdoc["sharded_backend"] == "zarr" and zdoc["manifest_version"] is None
+    assert zdoc["tensors"]["model.embed.weight"]["chunks"] == 3
+
+
+def test_diff_same_content_across_formats_and_each_kind_of_difference(tp2_checkpoint, tmp_path, capsys):
+    from dist_ckpt.cli import main
+    from dist_ckpt.diff import diff_checkpoints
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    assert main(["export", tp2_checkpoint, str(hf)]) == 0
+    capsys.readouterr()
+    # the same tensors in two formats: same (the HF directory has no common state: say so)
+    report = diff_checkpoints(tp2_checkpoint, hf)
+    assert not report.differences and not report.only_in_a and not report.only_in_b
+    assert len(report.identical) == 7 and report.common_only_in_a
+    # now change one value, one dtype, drop one key, add one
+    (shard,) = sorted(hf.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors["embedding.weight"] = tensors["embedding.weight"].clone()
+    tensors["embedding.weight"][3, 2] += 0.5
+    tensors["mask"] = tensors["mask"].to(torch.int32)
+    del tensors["double"]
+    tensors["extra"] = torch.ones(2)
+    (hf / "model.safetensors.index.json").unlink()
+    save_file(tensors, shard)
+    report = diff_checkpoints(tp2_checkpoint, hf)
+    assert report.only_in_a == ["double"] and report.only_in_b == ["extra"]
+    by_key = {d.key: d for d in report.differences}
+    assert by_key["embedding.weight"].what == "values" and by_key["embedding.weight"].elements_differing == 1
+    assert abs(by_key["embedding.weight"].max_abs_diff - 0.5) < 1e-3
+    assert by_key["mask"].what == "dtype"
+    assert main(["diff", tp2_checkpoint, str(hf)]) == 1
+    out = capsys.readouterr().out
+    assert "differs in values: embedding.weight: 1 of" in out and out.strip().splitlines()[-1].startswith("DIFFERENT")
+    assert main(["diff", tp2_checkpoint, tp2_checkpoint]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("same: 7 tensors bit-exact")
+    assert main(["diff", tp2_checkpoint, str(tmp_path / "missing")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_verbose_prints_a_phase_table_and_progress_goes_to_a_terminal_only(tp2_checkpoint, tmp_path, capsys):
+    from dist_ckpt.cli import main
+
+    assert main(["-v", "convert", tp2_checkpoint, str(tmp_path / "z"), "--backend", "zarr"]) == 0
+    err = capsys.readouterr().err
+    table = err[err.index("phase"):].splitlines()
+    assert [row.split()[0] for row in table[1:-1]] == ["convert:"] * 3
+    assert "convert: tensors" in err and table[-1].startswith("total")
+    assert main(["-v", "validate", str(tmp_path / "z")]) == 0
+    assert "validate: checksums" in capsys.readouterr().err
+    # progress=True is accepted by save and load; not a terminal here, so nothing is drawn
+    st = {"w": dist_ckpt.ShardedTensor.from_rank_offsets("w", torch.arange(4.0))}
+    dist_ckpt.save(st, tmp_path / "p", progress=True)
+    loaded = dist_ckpt.load({"w": dist_ckpt.ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, tmp_path / "p",
+                            progress=True)
+    assert torch.equal(loaded["w"], torch.arange(4.0))
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,171 @@
+"""``dist-ckpt inspect``: what a checkpoint of any format holds, without reading tensor data.
+
+Per tensor key: dtype, global shape, bytes, the number of stored chunks and who wrote them
+(torch_dist / DCP: the ranks, from the ``__<rank>_<n>.distcp`` files holding the chunks; zarr:
+chunk files, writers not recorded; safetensors: the file). Totals per top-level key prefix
+(``model`` vs ``optimizer`` in Megatron's naming), the backends and their versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+from .formats import describe_format, detect_checkpoint_config
+from .integrity import MANIFEST_FNAME
+from .mapping import ShardedObject, ShardedTensor
+from .object_store import localize
+from .timing import phase
+
+__all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
+
+_DISTCP_RANK = re.compile(r"__(\d+)_\d+\.distcp$")
+
+
+@dataclass
+class TensorSummary:
+    dtype: str
+    shape: List[int]
+    bytes: int
+    chunks: Optional[int] = None  # None: the format does not say
+    writers: List[str] = field(default_factory=list)  # "rank 3" or a file name
+
+
+@dataclass
+class CheckpointSummary:
+    source: str
+    format: str
+    sharded_backend: Optional[str]
+    sharded_backend_version: Optional[int]
+    common_backend: Optional[str]
+    common_backend_version: Optional[int]
+    manifest_version: Optional[int]
+    tensors: Dict[str, TensorSummary]
+    objects: List[str]
+    common_keys: List[str]
+    totals: Dict[str, Dict[str, int]]  # prefix -> {"tensors": n, "bytes": b}
+    total_bytes: int
+
+    def to_json(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, TensorSummary]:
+    """Partial summaries (chunks, writers) by key, from the format's own index."""
+    out: Dict[str, TensorSummary] = {}
+    if backend in ("torch_dist", "dcp"):
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from .strategies.torch_dist import read_dcp_metadata
+
+        metadata = read_dcp_metadata(directory)
+        files: Dict[str, set] = defaultdict(set)
+        for index, info in (metadata.storage_data or {}).items():
+            files[index.fqn].add(info.relative_path)
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                continue
+            ranks = sorted({int(m.group(1)) for f in files.get(key, ()) if (m := _DISTCP_RANK.search(f))})
+            out[key] = TensorSummary("", [], 0, len(md.chunks), [f"rank {r}" for r in ranks])
+    elif backend == "zarr":
+        for array_meta in directory.glob("*/.zarray"):
+            key = array_meta.parent.name
+            chunks = sum(1 for p in array_meta.parent.iterdir() if not p.name.startswith("."))
+            out[key] = TensorSummary("", [], 0, chunks, [])
+    elif backend == "safetensors":
+        from .strategies.hf_safetensors import read_safetensors_index
+
+        for key, entry in read_safetensors_index(directory).items():
+            out[key] = TensorSummary("", [], 0, 1, [entry.file])
+    return out
+
+
+def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optional[dict] = None) -> CheckpointSummary:
+    """Everything ``inspect`` shows, for a path or URL (no tensor data read)."""
+    from .serialization import load_common_state_dict, load_sharded_metadata
+
+    with phase("download" if isinstance(source, str) and "://" in source else "open"):
+        directory = localize(source, storage_options)
+    with phase("metadata"):
+        config = detect_checkpoint_config(directory)
+        backend = config.sharded_backend if config else None
+        stored = _chunks_and_writers(directory, backend)
+        metadata = load_sharded_metadata(directory)
+        manifest_version = _manifest_version(directory)
+    with phase("common state"):
+        common = load_common_state_dict(directory)
+    tensors: Dict[str, TensorSummary] = {}
+    objects: List[str] = []
+    totals: Dict[str, Dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    for key, sh in sorted(metadata.items()):
+        if isinstance(sh, ShardedObject):
+            objects.append(key)
+            continue
+        assert isinstance(sh, ShardedTensor)
+        nbytes = int(sh.global_shape and _numel(sh.global_shape) or 1) * sh.dtype.itemsize
+        base = stored.get(key) or TensorSummary("", [], 0)
+        tensors[key] = TensorSummary(str(sh.dtype).replace("torch.", ""), list(sh.global_shape), nbytes,
+                                     base.chunks, base.writers)
+        prefix = key.split(".", 1)[0].split("/", 1)[0]
+        totals[prefix]["tensors"] += 1
+        totals[prefix]["bytes"] += nbytes
+    return CheckpointSummary(
+        str(source), describe_format(directory),
+        config.sharded_backend if config else None, config.sharded_backend_version if config else None,
+        config.common_backend if config else None, config.common_backend_version if config else None,
+        manifest_version, tensors, objects, sorted(map(str, common)),
+        dict(sorted(totals.items())), sum(t.bytes for t in tensors.values()),
+    )
+
+
+def _manifest_version(directory: Path) -> Optional[int]:
+    path = directory / MANIFEST_FNAME
+    if not path.is_file():
+        return None
+    try:
+        version = json.loads(path.read_bytes()).get("version")
+    except (ValueError, AttributeError):
+        return None  # validate reports a damaged manifest; inspect only describes
+    return version if isinstance(version, int) else None
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def format_summary(s: CheckpointSummary) -> str:
+    """The human-readable ``inspect`` output."""
+    lines = [f"{s.source}: {s.format}"]
+    if s.sharded_backend is not None:
+        lines.append(f"  sharded backend {s.sharded_backend} v{s.sharded_backend_version}, common backend "
+                     f"{s.common_backend} v{s.common_backend_version}"
+                     + (f", manifest v{s.manifest_version}" if s.manifest_version is not None else ", no manifest"))
+    width = max([40] + [len(k) for k in s.tensors])
+    for key, t in s.tensors.items():
+        chunks = "?" if t.chunks is None else str(t.chunks)
+        writers = ", ".join(t.writers) if t.writers else "-"
+        lines.append(f"  tensor  {key:{width}s} {t.dtype:9s} {str(tuple(t.shape)):18s} {_size(t.bytes):>10s}  "
+                     f"chunks {chunks:>4s}  by {writers}")
+    for key in s.objects:
+        lines.append(f"  object  {key}")
+    lines.append(f"  common: {s.common_keys}")
+    for prefix, total in s.totals.items():
+        lines.append(f"  total {prefix}: {total['tensors']} tensors, {_size(total['bytes'])}")
+    lines.append(f"  total: {len(s.tensors)} tensors, {_size(s.total_bytes)}, {len(s.objects)} objects")
+    return "\n".join(lines)
