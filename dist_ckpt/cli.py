@@ -82,6 +82,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
+    except OSError as e:  # unreadable source, unwritable target, full disk: the system's words, one line
+        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,9 +99,10 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "diff":
         from .diff import diff_checkpoints, format_report
 
-        report = diff_checkpoints(args.a, args.b, storage_options=storage_options, progress=_progress_bar("comparing"))
-        print(format_report(args.a, args.b, report))
-        return 0 if report.same else 1
+        differences = diff_checkpoints(args.a, args.b, storage_options=storage_options,
+                                       progress=_progress_bar("comparing"))
+        print(format_report(args.a, args.b, differences))
+        return 0 if differences.same else 1
     elif args.command == "convert":
         from .convert import convert_checkpoint
 

@@ -128,7 +128,7 @@ class DistWrapper:
         box = [obj]
         src = self._global(self.coordinator_rank)
         self._collective("broadcast_object_list", lambda: dist.broadcast_object_list(box, src=src, group=self.group))
-        return box[0]
+        return box[0]  # type: ignore[return-value]  # the coordinator's object, never None there
 
     def scatter_object(self, objs: Optional[List[T]]) -> T:
         if not self.use_dist:
@@ -207,9 +207,10 @@ class DistWrapper:
         _raise_first([f for _, f in outcomes if f is not None], exc)
         return [self._unpack(b) for b, _ in outcomes]
 
-    def _on_coordinator(self, gathered: List[Any], global_fn: Callable[[List[Any]], Any]
+    def _on_coordinator(self, gathered: Optional[List[Any]], global_fn: Callable[[List[Any]], Any]
                         ) -> "tuple[Any, List[RankFailure]]":
         """Coordinator: ``global_fn`` over the gathered payloads, or the ranks' failures."""
+        assert gathered is not None  # gather_object fills it on the coordinator
         failures = [f for _, f in gathered if f is not None]
         if failures:
             return None, failures

@@ -12,7 +12,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -96,10 +96,11 @@ def check_loaded(loaded: Dict[str, object], rank: int, world: int, with_objects:
     if not with_objects:
         del expected["rng"]
     for path, exp in _flatten(expected):
-        got = loaded
+        got: Any = loaded
         for k in path:
             got = got[k]
         if isinstance(exp, ShardedTensor):
+            assert exp.data is not None
             ok = tensors_bitwise_equal(got, exp.data)
         elif isinstance(exp, ShardedObject):
             ok = got == exp.data
@@ -131,6 +132,7 @@ def _demo_load(rank: int, world: int, ckpt: str) -> float:
     start = time.perf_counter()
     loaded = load(request, ckpt)
     elapsed = time.perf_counter() - start
+    assert isinstance(loaded, dict)  # the default strict mode returns the state dict alone
     check_loaded(loaded, rank, world, with_objects=False)
     return elapsed
 

@@ -26,7 +26,7 @@ __all__ = [
     "tensors_bitwise_equal",
 ]
 
-Nested = Union[dict, list, Any]
+Nested = Any  # a dict or list of dicts, lists and leaves, arbitrarily deep
 
 
 def extract_matching_values(

@@ -110,7 +110,7 @@ class HashingWriter:
         import torch
 
         try:
-            torch.save(obj, self)
+            torch.save(obj, self)  # type: ignore[arg-type]  # a file-like writer
         except RuntimeError:
             if self.error is not None:
                 raise self.error from None
@@ -237,8 +237,8 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     if not isinstance(raw_entries, list):
         raise CorruptCheckpointError(f"{where}: 'entries' must be a list")
     entries = []
-    for i, e in enumerate(raw_entries):
-        f = _entry_fields(e, version)
+    for i, raw in enumerate(raw_entries):
+        f = _entry_fields(raw, version)
         if (
             f is None
             or not isinstance(f[0], str)
@@ -250,7 +250,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             or not _HEX.issuperset(f[3])
             or not (f[4] is None or isinstance(f[4], str))
         ):
-            raise CorruptCheckpointError(f"{where}: entry {i} is malformed: {str(e)[:200]}")
+            raise CorruptCheckpointError(f"{where}: entry {i} is malformed: {str(raw)[:200]}")
         entries.append(ManifestEntry(*f))
     return Manifest.from_entries(entries)
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from .core import MismatchError, ShardingError
+from .core import CheckpointingException, MismatchError, ShardingError
 from .dict_utils import dict_list_map_inplace
 from .geometry import Box, Piece
 
@@ -279,6 +279,13 @@ class ShardedTensor(ShardedBase):
             shape = (self.flattened_range.stop - self.flattened_range.start,)
         self.data = init_fn(shape, dtype=self.dtype, device=device)
 
+    def require_data(self) -> torch.Tensor:
+        """``data``, which a save request and an allocated load request have; a request
+        without it where one is needed is a bug of the caller, named here."""
+        if self.data is None:
+            raise CheckpointingException(f"ShardedTensor '{self.key}' has no data here (call init_data, or pass a tensor)")
+        return self.data
+
     def narrow(self, dim: int, start: int, length: int) -> List["ShardedTensor"]:
         """Like ``torch.narrow`` on every rank's local tensor, as a ShardedTensor of the result.
 
@@ -303,7 +310,7 @@ class ShardedTensor(ShardedBase):
         global_offset[gdim] = self.global_offset[gdim] // local_len * length
         local_shape = list(self.local_shape)
         local_shape[dim] = length
-        common = dict(
+        common: Dict[str, Any] = dict(
             local_shape=tuple(local_shape), global_shape=tuple(global_shape), global_offset=tuple(global_offset)
         )
         if self.flattened_range is None:
@@ -505,7 +512,7 @@ class ShardedTensorFactory(ShardedBase):
         """Nothing to check before ``build``; what it builds validates itself."""
 
     def without_data(self) -> "ShardedTensorFactory":
-        return replace(self, data=None)
+        return replace(self, data=None)  # type: ignore[arg-type]  # metadata only: build() is never called
 
 
 class LocalNonpersistentObject:

@@ -362,27 +362,28 @@ class SaveTransaction:
             return [sh.without_data() for sh in nested_values(self.sharded_part)]
 
         def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> Union[str, RemoteSave]:
-            if validate:
-                validate_sharding_integrity(global_metadata)  # before anything touches the disk
+            if validate:  # every rank sent its list: none is None
+                validate_sharding_integrity([md or [] for md in global_metadata])  # before anything touches the disk
             if self.url is not None:
                 return begin_remote_save(self.url, self.overwrite, self.storage_options)
+            assert self.target is not None  # a local target when there is no URL
             self.staged = begin_save(self.target, self.overwrite)
             return str(self.staged.staging)
 
         prepared = self.dist.all_reduce(local_metadata, prepare)
         if isinstance(prepared, RemoteSave):
             self.remote = prepared
-            self.staging = prepared.scratch
-            self.dist.all_run(lambda: self.staging.mkdir(parents=True, exist_ok=True))
+            scratch = self.staging = prepared.scratch
+            self.dist.all_run(lambda: scratch.mkdir(parents=True, exist_ok=True))
         else:
             self.staging = Path(prepared)
         if fingerprint is not None:
-            cache_owner.validated_fingerprint = fingerprint
+            setattr(cache_owner, "validated_fingerprint", fingerprint)
         open_recorder(self.staging)
 
     def write(self) -> Optional[AsyncRequest]:
         """Step 3: common state and objects, then the shards (or the request that writes them)."""
-        staging = self.staging
+        staging = self._staging()
         sharded_part = self.sharded_part
         if not self.sharded_strategy.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
@@ -396,6 +397,7 @@ class SaveTransaction:
 
         self.dist.all_run(write_common)
         if self.async_sharded_save:
+            assert isinstance(self.sharded_strategy, AsyncSaveShardedStrategy)  # checked in __init__
             return self.sharded_strategy.async_save(sharded_part, staging)
         if isinstance(self.sharded_strategy, AsyncSaveShardedStrategy):
             self.sharded_strategy.save(sharded_part, staging)  # its collectives share failures
@@ -405,28 +407,34 @@ class SaveTransaction:
 
     def gather_and_commit(self) -> None:
         """Steps 4-5: checksums to the coordinator, which commits."""
-        entries = forget_recorder(self.staging)
+        entries = forget_recorder(self._staging())
         if self.remote is not None:
-            return self._upload_and_commit(entries)
+            return self._upload_and_commit(self.remote, entries)
 
         def finish(all_entries: List[List[ManifestEntry]]) -> None:
+            assert self.staged is not None and self.config is not None  # the coordinator's, from stage()
             commit_staged(self.staged, self.config, [e for rank_entries in all_entries for e in rank_entries])
 
         self.dist.all_reduce(lambda: entries, finish)
 
-    def _upload_and_commit(self, entries: List[ManifestEntry]) -> None:
+    def _upload_and_commit(self, remote: RemoteSave, entries: List[ManifestEntry]) -> None:
         """A URL target: the coordinator completes the scratch checkpoint, every rank uploads
         the files it wrote, then the coordinator PUTs the pointer (``object_store``)."""
-        remote, dist = self.remote, self.dist
+        dist, scratch, config = self.dist, self._staging(), self.config
+        assert config is not None  # set in stage()
 
         def assign(all_entries: List[List[ManifestEntry]]) -> List[List[str]]:
-            write_manifest_and_config(self.staging, self.config, [e for rank in all_entries for e in rank])
-            return files_owned(all_entries, scratch_listing(self.staging), dist.coordinator_rank)
+            write_manifest_and_config(scratch, config, [e for rank in all_entries for e in rank])
+            return files_owned(all_entries, scratch_listing(scratch), dist.coordinator_rank)
 
         mine = dist.reduce_scatter(lambda: entries, assign)
         dist.all_run(lambda: remote.upload(mine))
-        dist.all_run(lambda: remote.commit(self.config) if dist.is_coordinator else None)
-        shutil.rmtree(self.staging, ignore_errors=True)
+        dist.all_run(lambda: remote.commit(config) if dist.is_coordinator else None)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    def _staging(self) -> Path:
+        assert self.staging is not None, "stage() runs first"
+        return self.staging
 
     def abort(self) -> None:
         """After a failure every rank knows of: forget the checksums, drop the staging directory
@@ -438,7 +446,7 @@ class SaveTransaction:
         if self.remote is not None:
             if self.dist.is_coordinator:
                 self.remote.abort()
-            shutil.rmtree(self.staging, ignore_errors=True)
+            shutil.rmtree(self.remote.scratch, ignore_errors=True)
 
 
 def load(

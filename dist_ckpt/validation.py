@@ -121,8 +121,8 @@ def validate_sharding_integrity(global_metadata: GlobalMetadata, loading: bool =
         raise ShardingError(f"Keys used for both a ShardedTensor and a ShardedObject: {clash}")
     for key, shards in tensors.items():
         _validate_tensor_key(key, shards)
-    for key, shards in objects.items():
-        _validate_object_key(key, shards, require_all=not loading)
+    for key, object_shards in objects.items():
+        _validate_object_key(key, object_shards, require_all=not loading)
 
 
 def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]]) -> None:

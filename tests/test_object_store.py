@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import http.server
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,51 +24,18 @@ from dist_ckpt.cli import main as cli
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.object_store import POINTER_FIELD, SAVE_DIR_PREFIX, StorageError
 from dist_helpers import run_distributed
-from model_utils import MODEL, check_loaded, global_tensor, sharded_model
+from model_utils import MODEL, global_tensor, sharded_model
+from s3_server import free_port, moto_server
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory):
     """A moto S3 server process; the AWS variables point every process of the test at it."""
-    port = _free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_DEFAULT_REGION", "DIST_CKPT_CACHE", "DIST_CKPT_SCRATCH")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1",
-                      DIST_CKPT_CACHE=str(tmp_path_factory.mktemp("cache")),
-                      DIST_CKPT_SCRATCH=str(tmp_path_factory.mktemp("scratch")))
-    import boto3
-
-    client = boto3.client("s3")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client.list_buckets()
-            break
-        except Exception:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError("the moto S3 server did not start")
-            time.sleep(0.2)
-    yield endpoint
-    server.terminate()
-    server.wait(10)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with moto_server({"DIST_CKPT_CACHE": str(tmp_path_factory.mktemp("cache")),
+                      "DIST_CKPT_SCRATCH": str(tmp_path_factory.mktemp("scratch"))}) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
@@ -166,6 +130,9 @@ def test_multi_rank_save_to_s3_and_resharded_loads(bucket, tmp_path, capsys):
     assert dist_ckpt.load_common_state_dict(zarr_url)["iteration"] == 2
     converted = dist_ckpt.load_plain_tensors(zarr_url)
     assert all(tensors_bitwise_equal(converted[k], plain[k]) for k in MODEL)
+    capsys.readouterr()
+    assert cli(["diff", url, zarr_url]) == 0  # URL against URL, torch_dist against zarr
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(f"same: {len(MODEL)} tensors bit-exact")
     hf_url = f"s3://{bucket}/hf"
     assert cli(["export", url, hf_url, "--max-shard-size", "1KB"]) == 0
     hf_keys = _objects(bucket, "hf/")
@@ -347,7 +314,7 @@ def test_refusing_or_absent_server_is_our_error_naming_the_url(s3_endpoint, monk
         messages = run_distributed(_save_expecting_storage_error, 2, url)
         assert messages[0] == messages[1] and messages[0].startswith("s3://bucket/ckpt: ")
         # nothing listening at all
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
         with pytest.raises(StorageError, match="s3://bucket/ckpt: .*Could not connect"):
             dist_ckpt.load_common_state_dict(url)
         assert cli(["validate", url]) == 1

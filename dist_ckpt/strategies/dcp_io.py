@@ -80,7 +80,7 @@ def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Call
         for item in items:
             stream.start_item()
             data = resolve(item)
-            if item.type == WriteItemType.BYTE_IO:
+            if isinstance(data, io.BytesIO):  # a BYTE_IO item
                 stream.write(data.getbuffer())
             else:
                 tensor = data.detach()

@@ -183,9 +183,9 @@ class _LayoutCache:
         self._lock = threading.Lock()
 
     def locate(self, head: memoryview, tail: memoryview, length: int) -> Optional[StoredTensor]:
-        for (known_length, signature), stored in list(self._known.items()):
-            if known_length == length and len(head) >= len(signature) and layout_signature(head, stored) == signature:
-                return stored
+        for (known_length, signature), known in list(self._known.items()):
+            if known_length == length and len(head) >= len(signature) and layout_signature(head, known) == signature:
+                return known
         stored = locate_tensor_data(head, tail, length)
         if stored is not None and stored.data_offset <= len(head) and len(self._known) < 64:
             with self._lock:

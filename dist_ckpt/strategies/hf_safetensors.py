@@ -174,14 +174,16 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         """Copy the part of the stored tensor the request covers into ``sh.data``."""
         whole = Box((0,) * len(stored_shape), stored_shape)
         piece = sh.piece()
-        flat = sh.data.reshape(-1) if piece.is_flat else None
+        data = sh.data
+        assert data is not None  # allocated by the caller
+        flat = data.reshape(-1) if piece.is_flat else None
         for sub in piece.subboxes():
             inter = intersect(sub.box, whole) if sub.box.numel else None
             if inter is None:
                 continue
             values = stored[inter.slices()] if inter.shape else stored[()]
             if flat is None:
-                sh.data[inter.slices_in(piece.box)] = values
+                data[inter.slices_in(piece.box)] = values
             else:  # a flat range: sub-boxes are contiguous in the flat data (no mismatch allowed there)
                 flat[sub.flat_start: sub.flat_start + inter.numel] = values.reshape(-1)
 

@@ -16,10 +16,17 @@ import importlib.util
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Literal, Optional, Tuple, Union, overload
 
 from ..core import DuplicateStrategyError, UnknownStrategyError
-from .base import StrategyAction, StrategyBase
+from .base import (  # base imports this module at its end, after these classes exist
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    StrategyBase,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -232,9 +239,24 @@ def get_default_strategy(action: Union[StrategyAction, str], backend: str, versi
     return default_registry.get(action, backend, version)
 
 
+StrategyArg = Union[StrategyBase, Tuple[str, int], None]
+
+
+@overload
+def resolve_strategy(action: Literal[StrategyAction.LOAD_SHARDED], strategy: StrategyArg,
+                     default_key: Optional[Tuple[str, int]]) -> LoadShardedStrategy: ...
+@overload
+def resolve_strategy(action: Literal[StrategyAction.LOAD_COMMON], strategy: StrategyArg,
+                     default_key: Optional[Tuple[str, int]]) -> LoadCommonStrategy: ...
+@overload
+def resolve_strategy(action: Literal[StrategyAction.SAVE_SHARDED], strategy: StrategyArg,
+                     default_key: Optional[Tuple[str, int]]) -> SaveShardedStrategy: ...
+@overload
+def resolve_strategy(action: Literal[StrategyAction.SAVE_COMMON], strategy: StrategyArg,
+                     default_key: Optional[Tuple[str, int]]) -> SaveCommonStrategy: ...
 def resolve_strategy(
     action: StrategyAction,
-    strategy: Union[StrategyBase, Tuple[str, int], None],
+    strategy: StrategyArg,
     default_key: Optional[Tuple[str, int]],
 ) -> StrategyBase:
     """The one place a strategy argument (object, (backend, version) tuple or None) becomes

@@ -80,9 +80,9 @@ class StagingBuffers:
             new = self._allocate([tensors[i] for i in fresh], arenas)
             for i, buffer in zip(fresh, new):
                 staged[i] = buffer
-        for buffer, tensor in zip(staged, tensors):
-            if buffer is not None:
-                buffer.copy_(tensor)
+        for staged_buffer, tensor in zip(staged, tensors):
+            if staged_buffer is not None:
+                staged_buffer.copy_(tensor)
         if reuse:
             self._buffers = staged  # what the next save may reuse once this one's write is done
             live = {b.untyped_storage().data_ptr() for b in staged if b is not None}

@@ -112,7 +112,7 @@ class MCoreSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list) -> Tuple[list, Metadata]:
         global_plans, metadata = super().create_global_plan(all_plans)
-        metadata.mcore_data = {
+        metadata.mcore_data = {  # type: ignore[attr-defined]  # Megatron-Core's extra field
             key: {"nd_reformulated_orig_global_shape": tuple(shape)}
             for key, shape in self.nd_flattened_global_shapes.items()
         }
@@ -156,5 +156,6 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                 )
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set_up_planner ran
         self._validate_global_shapes(self.metadata)
         return super().create_local_plan()

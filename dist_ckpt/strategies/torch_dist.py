@@ -20,7 +20,7 @@ import logging
 import pickle
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -90,6 +90,7 @@ class _ItemSource:
     def __call__(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._objects[write_item.index.fqn])
+        assert write_item.tensor_data is not None  # a SHARD item always has it
         return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
 
 
@@ -185,7 +186,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         plan = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
         if plan is not None:
             object_blobs.update(dist.all_run(lambda: _serialize_objects(objects)))
-            global_metadata.append(copy.copy(self._cached_plan[2]) if dist.is_coordinator else None)
+            cached = self._cached_plan
+            assert cached is not None  # _cached_plan_for found it
+            global_metadata.append(copy.copy(cached[2]) if dist.is_coordinator else None)  # type: ignore[arg-type]
         else:
             def global_step(all_local: List[Any]) -> List[SavePlan]:
                 plans, metadata = make_global_save_plan(all_local)
@@ -206,7 +209,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         direct: List[WriteItem] = []  # written now, from the live tensors (beyond the staging budget)
 
         def stage_tensors() -> None:
-            live = [sh.data.detach() for sh in tensors]
+            live = [sh.require_data().detach() for sh in tensors]
             staged = self._staging_buffers().stage(live) if stage else live
             for item, copy_, data in zip(tensor_items, staged, live):
                 sources[item.index] = copy_ if copy_ is not None else data
@@ -255,7 +258,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def _cached_plan_for(self, dist: DistWrapper, fingerprint: str) -> Optional[SavePlan]:
         """The previous save's plan if every rank's structure fingerprint is unchanged."""
         same = self._cached_plan is not None and self._cached_plan[0] == fingerprint
-        if not dist.all_reduce_min(1 if same else 0):
+        if not dist.all_reduce_min(1 if same else 0) or self._cached_plan is None:
             return None
         return self._cached_plan[1]
 
@@ -264,7 +267,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         checkpoint_dir = Path(checkpoint_dir)
         recorder = recorder_for(checkpoint_dir)
         metadata = Metadata(state_dict_metadata={}, planner_data={})
-        metadata.mcore_data = {}
+        metadata.mcore_data = {}  # type: ignore[attr-defined]  # Megatron-Core's extra field
         results: List[Any] = []
         for i, batch in enumerate(batches):
             leaves = list(nested_values(batch))
@@ -274,13 +277,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if clash:
                 raise ShardingError(f"save_stream: keys {clash} appear in more than one batch")
             (plan,), batch_metadata = make_global_save_plan([make_local_save_plan(tensors, objects)])
-            sources = {item.index: sh.data.detach() for item, sh in zip(plan.items, tensors)}
+            sources = {item.index: sh.require_data().detach() for item, sh in zip(plan.items, tensors)}
             source = _ItemSource(sources, _serialize_objects(objects))
             results.extend(write_dcp_files(checkpoint_dir, f"__{i}_", plan.items, source, recorder))
             del sources, source, tensors, leaves
             metadata.state_dict_metadata.update(batch_metadata.state_dict_metadata)
             metadata.planner_data.update(batch_metadata.planner_data)
-            metadata.mcore_data.update(batch_metadata.mcore_data)
+            metadata.mcore_data.update(batch_metadata.mcore_data)  # type: ignore[attr-defined]
         fsync_directory(checkpoint_dir)
         write_dcp_metadata(checkpoint_dir, metadata, results, recorder)
 
@@ -295,7 +298,8 @@ class _ViewLoadPlanner(LoadPlanner):
         self._requests = requests
         self._tasks = tasks
         # Destinations as contiguous buffers (the data itself unless it is non-contiguous).
-        self.buffers = [sh.data if sh.data.is_contiguous() else sh.data.contiguous() for sh in requests]
+        datas = [sh.require_data() for sh in requests]
+        self.buffers = [d if d.is_contiguous() else d.contiguous() for d in datas]
         self.objects: Dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
@@ -321,7 +325,7 @@ class _ViewLoadPlanner(LoadPlanner):
         return self.buffers[request_idx].view(self._requests[request_idx].global_box().shape)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        task = self._tasks[read_item.dest_index.index]
+        task = self._tasks[_task_index(read_item)]
         sh = self._requests[task.request]
         if task.direct is not None:
             box = sh.global_box()
@@ -331,7 +335,7 @@ class _ViewLoadPlanner(LoadPlanner):
         return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        task = self._tasks[read_item.dest_index.index]
+        task = self._tasks[_task_index(read_item)]
         if task.direct is not None:
             return
         src_flat = tensor.reshape(-1)
@@ -344,7 +348,14 @@ class _ViewLoadPlanner(LoadPlanner):
     def copy_back(self) -> None:
         for sh, buffer in zip(self._requests, self.buffers):
             if buffer is not sh.data:
-                sh.data.copy_(buffer)
+                sh.require_data().copy_(buffer)
+
+
+def _task_index(read_item: ReadItem) -> int:
+    """Our planner numbers read items by task through ``dest_index.index``."""
+    index = read_item.dest_index.index
+    assert index is not None
+    return index
 
 
 def _bytes_read_item(unique_key: str) -> ReadItem:
@@ -468,7 +479,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 problems.append(str(e))
         return problems
 
-    def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: Union[str, Path], key_prefix: str) -> None:
         """Rewrite ``.metadata`` without the keys starting with ``key_prefix`` (atomically),
         then delete data files no remaining item refers to. Run it from one process."""
         checkpoint_dir = Path(checkpoint_dir)
@@ -481,7 +492,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if metadata.planner_data:
             metadata.planner_data = {k: v for k, v in metadata.planner_data.items() if k not in removed}
         if getattr(metadata, "mcore_data", None):
-            metadata.mcore_data = {k: v for k, v in metadata.mcore_data.items() if k not in removed}
+            metadata.mcore_data = {  # type: ignore[attr-defined]
+                k: v for k, v in metadata.mcore_data.items() if k not in removed}  # type: ignore[attr-defined]
         old_files = {info.relative_path for info in metadata.storage_data.values()}
         metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn not in removed}
         kept_files = {info.relative_path for info in metadata.storage_data.values()}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -125,7 +125,7 @@ def make_global_save_plan(
         if len(grids) != 1:
             raise ShardingError(f"'{key}': flattened shards must share one grid, got axis_fragmentations {sorted(map(str, grids))}")
 
-    state_dict_metadata: Dict[str, object] = {}
+    state_dict_metadata: Dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
     mcore_data: Dict[str, dict] = {}
     plans: List[SavePlan] = []
     properties_of: Dict[torch.dtype, TensorProperties] = {}  # shared: never changed after planning
@@ -152,9 +152,9 @@ def make_global_save_plan(
                     tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=torch.Size(size)),
                 )
             )
-            md = state_dict_metadata.setdefault(
+            md = cast(TensorStorageMetadata, state_dict_metadata.setdefault(
                 desc.key, TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=[])
-            )
+            ))  # a key is a tensor or an object, never both (validated before planning)
             md.chunks.append(chunk)
         for unique_key in plan.object_keys:
             items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
@@ -164,7 +164,7 @@ def make_global_save_plan(
         state_dict_metadata=state_dict_metadata,
         planner_data={key: (key,) for key in state_dict_metadata},
     )
-    metadata.mcore_data = mcore_data  # read by Megatron-Core (and us) for reformulated tensors
+    metadata.mcore_data = mcore_data  # type: ignore[attr-defined]  # read by Megatron-Core (and us) for reformulated tensors
     return plans, metadata
 
 

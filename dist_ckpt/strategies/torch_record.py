@@ -60,7 +60,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if flat.stride(0) != 1:  # a one-element tensor may keep any stride; its memory is contiguous
         flat = flat.as_strided((flat.numel(),), (1,))
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,11 +92,12 @@ class _TensorRebuild:
         self.storage, self.shape = storage, shape
 
     def __reduce__(self) -> Any:
-        stride, acc = [], 1
+        stride: List[int] = []
+        acc = 1
         for n in reversed(self.shape):
             stride.append(acc)
             acc *= n
-        args = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
+        args: Tuple[Any, ...] = (self.storage, 0, self.shape, tuple(reversed(stride)), False, collections.OrderedDict())
         if _storage_class(self.storage.dtype) is None:
             return torch._utils._rebuild_tensor_v3, args + (self.storage.dtype,)
         return torch._utils._rebuild_tensor_v2, args

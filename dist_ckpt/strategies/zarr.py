@@ -167,6 +167,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             if sh.key not in arrays:
                 arrays[sh.key] = zarr.open_array(str(checkpoint_dir / sh.key), mode="r+", zarr_format=2)
             array = arrays[sh.key]
+            assert sh.data is not None  # a save request carries its data
             values = torch_to_numpy(sh.data)
             array[sh.global_slice()] = values
             meta = ZarrArrayMeta(sh.key, tuple(array.shape), tuple(array.chunks), sh.dtype, ".")
@@ -176,7 +177,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 # The chunk file holds exactly these bytes (no compressor, C order): hash them
                 # from memory instead of reading the file back.
                 part = np.ascontiguousarray(values[chunk.slices_in(box)])
-                recorder.add_bytes(f"{sh.key}/{name}", memoryview(part.reshape(-1).view(np.uint8)), sh.key)
+                recorder.add_bytes(f"{sh.key}/{name}", memoryview(part.reshape(-1).view(np.uint8)), sh.key)  # type: ignore[arg-type]
                 fsync_path(checkpoint_dir / sh.key / name)
         for key in arrays:
             fsync_directory(checkpoint_dir / key)

@@ -221,13 +221,15 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
     def _load_one(self, sh: ShardedTensor, meta: ZarrArrayMeta, array: Any, checkpoint_dir: Path) -> None:
         sh.check_against_stored(meta.dtype, meta.shape)
         bounds = Box((0,) * len(meta.shape), meta.shape)
-        regions = [(sub, intersect(sub.box, bounds)) for sub in sh.piece().subboxes()]
-        regions = [(sub, region) for sub, region in regions if region is not None]
+        regions = [(sub, region) for sub in sh.piece().subboxes()
+                   if (region := intersect(sub.box, bounds)) is not None]
         for _, region in regions:  # before anything is allocated
             self._check_chunks(checkpoint_dir, meta, region)
         # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
         sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
-        buffer = sh.data if sh.data.is_contiguous() else sh.data.contiguous()
+        data = sh.data
+        assert data is not None  # init_data allocated it
+        buffer = data if data.is_contiguous() else data.contiguous()
         flat = buffer.view(-1)
         for sub, region in regions:
             values = numpy_to_torch(self._read_region(array, region), sh.dtype, f"'{sh.key}' {region}")
@@ -235,8 +237,8 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
             if tuple(values.shape) != tuple(dst.shape):
                 raise CorruptCheckpointError(f"'{sh.key}': read {tuple(values.shape)} for region {region}")
             dst.copy_(values)
-        if buffer is not sh.data:
-            sh.data.copy_(buffer)
+        if buffer is not data:
+            data.copy_(buffer)
 
     def _check_chunks(self, checkpoint_dir: Path, meta: ZarrArrayMeta, region: Box) -> None:
         """Every chunk ``region`` needs exists with the size of a chunk and, with a manifest,

@@ -1,0 +1,58 @@
+"""A real local S3 server for tests: moto's server mode in its own process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, Iterator
+
+__all__ = ["free_port", "moto_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server(extra_env: Dict[str, str] = None) -> Iterator[str]:
+    """Start the server, point the AWS_* variables of this process (and the processes it starts)
+    at it, yield its endpoint; stop it and restore the variables after."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    env = dict(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1", **(extra_env or {}))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import boto3
+
+        client = boto3.client("s3")
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.list_buckets()
+                break
+            except Exception:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("the moto S3 server did not start")
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
