@@ -12,6 +12,7 @@ its stream transforms but replaces unpickling and item reads with checked versio
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -208,6 +209,11 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
             )
 
 
+_METADATA_CACHE_ENTRIES = 8
+_metadata_cache: Dict[Tuple[Any, ...], Metadata] = {}  # oldest first
+_metadata_lock = threading.Lock()
+
+
 class DcpReader(FileSystemReader):
     """DCP's reader with the allowlisted unpickler, checksum verification and checked offsets,
     sizes and file names; items are read by ``thread_count`` threads."""
@@ -217,7 +223,26 @@ class DcpReader(FileSystemReader):
         self.thread_count = thread_count
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked index; parsed once per file version and process (a streaming tool loads one
+        tensor per call: re-reading a 100,000-entry index each time made convert quadratic)."""
         path = Path(self.path) / DCP_METADATA_FNAME
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint") from None
+        # checked (or not) with the verification setting of this call: that is part of the key
+        key = (os.path.abspath(path), st.st_ino, st.st_mtime_ns, st.st_size, verification_enabled())
+        with _metadata_lock:
+            cached = _metadata_cache.get(key)
+        if cached is None:
+            cached = self._read_checked_metadata(path)
+            with _metadata_lock:
+                _metadata_cache[key] = cached
+                while len(_metadata_cache) > _METADATA_CACHE_ENTRIES:
+                    _metadata_cache.pop(next(iter(_metadata_cache)))
+        return copy.copy(cached)  # callers may replace its tables (remove_sharded_tensors), not ours
+
+    def _read_checked_metadata(self, path: Path) -> Metadata:
         if not path.is_file():
             raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint")
         size = path.stat().st_size  # before reading: a file of any size is not read whole
