@@ -450,3 +450,37 @@ def test_verbose_prints_a_phase_table_and_progress_goes_to_a_terminal_only(tp2_c
                             progress=True)
     assert torch.equal(loaded["w"], torch.arange(4.0))
     assert capsys.readouterr().err == ""
+
+
+def test_progress_bar_is_drawn_on_a_terminal(tp2_checkpoint, tmp_path):
+    """On a terminal (a pty here) convert draws a tqdm bar on stderr; piped, it stays silent."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "convert", tp2_checkpoint, str(tmp_path / "z"),
+                               "--backend", "zarr"], stdout=subprocess.PIPE, stderr=slave, timeout=120)
+        os.close(slave)
+        drawn = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the pty is closed once everything was read
+                break
+            if not chunk:
+                break
+            drawn += chunk
+    finally:
+        os.close(master)
+    assert proc.returncode == 0
+    assert b"converting" in drawn and b"7/7" in drawn  # 7 tensors
+    piped = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "convert", tp2_checkpoint, str(tmp_path / "z2"),
+                            "--backend", "zarr"], capture_output=True, timeout=120)
+    assert piped.returncode == 0 and piped.stderr == b""
