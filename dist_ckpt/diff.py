@@ -21,7 +21,7 @@ from .object_store import localize
 from .streaming import read_whole_tensor
 from .timing import phase
 
-__all__ = ["TensorDifference", "DiffReport", "diff_checkpoints"]
+__all__ = ["TensorDifference", "DiffReport", "diff_checkpoints", "format_report"]
 
 
 @dataclass
@@ -113,6 +113,7 @@ def diff_checkpoints(a: Union[str, os.PathLike], b: Union[str, os.PathLike], *,
 
 
 def format_report(a: str, b: str, r: DiffReport) -> str:
+    """What ``dist-ckpt diff`` prints: one line per difference, then a summary line."""
     lines = []
     lines += [f"only in {a}: {k}" for k in r.only_in_a]
     lines += [f"only in {b}: {k}" for k in r.only_in_b]
@@ -124,5 +125,3 @@ def format_report(a: str, b: str, r: DiffReport) -> str:
                  f"differ, {len(r.only_in_a)} only in {a}, {len(r.only_in_b)} only in {b}")
     return "\n".join(lines)
 
-
-__all__ += ["format_report"]

@@ -64,6 +64,11 @@ __all__ = [
     "RemoteSave",
     "begin_remote_save",
     "clean_url",
+    "files_owned",
+    "scratch_listing",
+    "publish_checkpoint",
+    "upload_files",
+    "new_scratch_dir",
 ]
 
 SAVE_DIR_PREFIX = "dist_ckpt-save-"
@@ -437,7 +442,6 @@ def files_owned(entries_per_rank: List[List[Any]], listing: Set[str], coordinato
 
 
 def scratch_listing(scratch: Path) -> Set[str]:
+    """Every file under ``scratch``, relative, with ``/`` separators."""
     return {str(p.relative_to(scratch)) for p in scratch.rglob("*") if p.is_file()}
 
-
-__all__ += ["files_owned", "scratch_listing", "publish_checkpoint", "upload_files", "new_scratch_dir"]
