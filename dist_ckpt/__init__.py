@@ -54,10 +54,15 @@ from .strategies.base import (
     register_default_strategy,
 )
 from .validation import StrictHandling
+from .manager import CheckpointManager, PendingSaveError  # noqa: E402 - builds on serialization
+from .object_store import StorageError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointManager",
+    "PendingSaveError",
+    "StorageError",
     "save",
     "load",
     "load_common_state_dict",

@@ -1,0 +1,307 @@
+"""CheckpointManager: the loop around ``save`` / ``load`` a training job needs, done once.
+
+Layout, exactly Megatron-LM's: ``root/iter_{step:07d}/`` per checkpoint and
+``root/latest_checkpointed_iteration.txt`` holding the newest step (or ``release``, naming
+``root/release/``), so Megatron-LM resumes from roots the manager wrote and the other way round.
+
+Order of a save (``save`` starts it; with ``async_save`` the rest happens in a later
+``maybe_finalize`` / ``wait`` / ``save``, on every rank together):
+
+1. the checkpoint commits (``save``'s own atomic commit: ``metadata.json`` last);
+2. the coordinator replaces the tracker file atomically (write, fsync, rename): it never names a
+   checkpoint that has not committed;
+3. retention: committed checkpoints older than the newest committed one, neither among the
+   ``keep_last`` newest nor a multiple of ``keep_every``, lose the files dist_ckpt wrote
+   (``commit.checkpoint_entries``); a directory is removed only if nothing else is left in it.
+
+A save that fails (on any rank: every rank gets the same error) leaves the tracker where it was;
+with ``on_error="warn"`` it is logged on every rank and training goes on, the next ``save``
+tries again. ``load(step=None)`` takes the newest committed checkpoint and, if it is incomplete
+or fails its checksums, logs why and falls back to the next older one: every rank gets the same
+error from a load, so every rank makes the same choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, List, Optional, Tuple, Union
+
+from .collectives import DistWrapper
+from .commit import atomic_write_bytes, checkpoint_entries, fsync_directory
+from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
+from .mapping import ShardedStateDict, StateDict
+from .serialization import load, save
+from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from .strategies.base import SaveShardedStrategy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError"]
+
+TRACKER_FNAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
+RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+Step = Union[int, str]  # an iteration, or "release"
+
+
+class PendingSaveError(CheckpointingException):
+    """``save`` was called with ``max_pending`` saves already in flight."""
+
+
+def checkpoint_dir_name(step: Step) -> str:
+    """``iter_0000100`` for step 100, ``release`` for the release checkpoint (Megatron-LM's names)."""
+    if step == RELEASE:
+        return RELEASE
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"a step is a non-negative int or {RELEASE!r}, got {step!r}")
+    return f"iter_{step:07d}"
+
+
+def read_tracker(root: Union[str, os.PathLike]) -> Optional[Step]:
+    """The step ``latest_checkpointed_iteration.txt`` names (an int or ``release``), or None."""
+    path = Path(root) / TRACKER_FNAME
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if text == RELEASE:
+        return RELEASE
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointingException(f"{path} holds {text[:40]!r}, neither a step nor {RELEASE!r}") from None
+
+
+class CheckpointManager:
+    """Periodic (async) checkpoints into ``root``, a tracker that only names committed ones,
+    retention, and resume with fall-back (see the module docstring for the order of events).
+
+    Args:
+        root: the directory holding ``iter_XXXXXXX/`` checkpoints and the tracker.
+        keep_last: how many of the newest committed checkpoints to keep (None: all).
+        keep_every: also keep every checkpoint whose step is a multiple of this.
+        async_save: write in the background; ``save`` returns after staging.
+        sharded_strategy: passed to ``save`` (None: torch_dist).
+        on_error: "raise" (every rank raises) or "warn" (every rank logs, training continues).
+        max_pending: with a save in flight, a new ``save`` waits for it (None) or, when this
+            many are in flight, raises ``PendingSaveError``.
+        save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
+    """
+
+    def __init__(self, root: Union[str, os.PathLike], keep_last: Optional[int] = 3, keep_every: Optional[int] = None,
+                 async_save: bool = True, sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+                 on_error: str = "raise", max_pending: Optional[int] = None, **save_kwargs: Any) -> None:
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be positive, got {keep_every}")
+        self.root = Path(os.path.abspath(root))
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.async_save = async_save
+        self.sharded_strategy = sharded_strategy
+        self.on_error = on_error
+        self.max_pending = max_pending
+        self.save_kwargs = save_kwargs
+        self.dist = DistWrapper()
+        self._queue = AsyncCallsQueue(self.dist)
+        self._pending: List[Step] = []
+        self.failed_steps: List[Step] = []  # saves that failed (on_error="warn")
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, step: Step, sharded_state_dict: ShardedStateDict, blocking: bool = False) -> None:
+        """Start a checkpoint of ``step`` (collective). With ``blocking`` (or without
+        ``async_save``) it returns only when the checkpoint, tracker and retention are done."""
+        name = checkpoint_dir_name(step)
+        if self._pending:
+            if self.max_pending is None:
+                self.wait()
+            elif len(self._pending) >= self.max_pending:
+                raise PendingSaveError(f"step {self._pending[0]}'s save is still in flight ({len(self._pending)} "
+                                       f"pending, max_pending={self.max_pending}); call maybe_finalize() or wait()")
+        target = self.root / name
+        use_async = self.async_save and not blocking
+        try:
+            request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
+                           **self.save_kwargs)
+        except Exception as e:  # every rank raises the same error (save's failures are shared)
+            self._failed(step, e)
+            return
+        if request is None:  # synchronous: committed already
+            try:
+                self._after_commit(step)
+            except Exception as e:
+                self._failed(step, e)
+            return
+        request.add_finalize_fn(lambda: self._after_commit(step))
+        self._schedule(step, request)
+        if blocking:
+            self.wait()
+
+    def _schedule(self, step: Step, request: AsyncRequest) -> None:
+        try:
+            self._queue.schedule_async_request(request)
+        except Exception as e:
+            self._failed(step, e)
+            return
+        self._pending.append(step)
+
+    def maybe_finalize(self) -> List[Step]:
+        """Every training step, every rank: commit the saves that finished everywhere, move the
+        tracker, apply retention. Returns the steps committed now."""
+        return self._finalize(blocking=False)
+
+    def wait(self) -> List[Step]:
+        """Block until every pending save is committed (or failed)."""
+        return self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> List[Step]:
+        committed: List[Step] = []
+        while self._pending:
+            try:
+                done = self._queue.maybe_finalize_async_calls(blocking=blocking)
+            except Exception as e:  # a write or a commit failed: the same error on every rank
+                # the calls the queue no longer holds: all committed but the last, which failed
+                gone = len(self._pending) - self._queue.get_num_unfinalized_calls()
+                committed += self._pending[:gone - 1]
+                step = self._pending[gone - 1]
+                del self._pending[:gone]
+                self._failed(step, e)
+                continue
+            if not done:
+                break
+            committed += self._pending[:len(done)]
+            del self._pending[:len(done)]
+        return committed
+
+    def _failed(self, step: Step, error: Exception) -> None:
+        self.failed_steps.append(step)
+        if self.on_error == "raise":
+            raise error
+        logger.warning("checkpoint of step %s to %s failed, training goes on (the tracker still names %s): %s: %s",
+                       step, self.root / checkpoint_dir_name(step), read_tracker(self.root), type(error).__name__, error)
+
+    def _after_commit(self, step: Step) -> None:
+        """Every rank, after the checkpoint of ``step`` committed: tracker, then retention."""
+
+        def coordinator() -> None:
+            if self.dist.is_coordinator:
+                self._write_tracker(step)
+                self._apply_retention()
+
+        self.dist.all_run(coordinator)
+
+    def _write_tracker(self, step: Step) -> None:
+        current = read_tracker(self.root)
+        if isinstance(step, int) and isinstance(current, int) and current > step:
+            return  # a newer step is named already (saves commit in order; never move back)
+        atomic_write_bytes(self.root / TRACKER_FNAME, str(step).encode())
+        fsync_directory(self.root)
+
+    def _apply_retention(self) -> List[int]:
+        steps = self.steps()
+        if not steps:
+            return []
+        keep = set(steps[-self.keep_last:]) if self.keep_last is not None else set(steps)
+        keep.add(steps[-1])
+        if self.keep_every is not None:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        tracked = read_tracker(self.root)
+        removed = []
+        for s in steps:
+            if s in keep or s == tracked or s in self._pending:
+                continue
+            self._remove_checkpoint(self.root / checkpoint_dir_name(s))
+            removed.append(s)
+        return removed
+
+    @staticmethod
+    def _remove_checkpoint(directory: Path) -> None:
+        """The files dist_ckpt wrote, ``metadata.json`` first (so a reader sees an incomplete
+        checkpoint, never a damaged complete one); the directory only if it is then empty."""
+        (directory / CONFIG_FNAME).unlink(missing_ok=True)
+        fsync_directory(directory)
+        for name in sorted(checkpoint_entries(directory)):
+            path = directory / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            logger.info("kept %s: it holds files dist_ckpt did not write (%s)", directory,
+                        ", ".join(sorted(os.listdir(directory))[:5]))
+
+    # -- what is there -------------------------------------------------------------------------
+
+    def steps(self) -> List[int]:
+        """Committed checkpoints' steps, oldest first (``release`` is not a step)."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in os.listdir(self.root):
+            match = _ITER_DIR.match(entry)
+            if match and (self.root / entry / CONFIG_FNAME).is_file():
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def latest_step(self) -> Optional[Step]:
+        """The newest committed step: the tracker's, if it names a committed checkpoint."""
+        tracked = read_tracker(self.root)
+        if tracked is not None and (self.root / checkpoint_dir_name(tracked) / CONFIG_FNAME).is_file():
+            return tracked
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def load(self, sharded_state_dict: ShardedStateDict, step: Optional[Step] = None, **load_kwargs: Any) -> StateDict:
+        """Load ``step``, or (None) the newest committed checkpoint that loads: one that is
+        incomplete or fails its checksums is logged and the next older one tried (collective;
+        every rank makes the same choice). A request that does not fit the checkpoint (a
+        ``MismatchError``, ``KeyMismatchError``...) is raised at once: an older checkpoint would
+        not fit it either. Raises ``CheckpointNotFoundError`` if none loads."""
+        if step is not None:
+            result = load(sharded_state_dict, self.root / checkpoint_dir_name(step), **load_kwargs)
+            return result  # type: ignore[return-value]
+        candidates: List[Step] = []
+        tracked = read_tracker(self.root)
+        if tracked is not None:
+            candidates.append(tracked)
+        candidates += [s for s in reversed(self.steps()) if s != tracked]
+        failures = []
+        for candidate in candidates:
+            directory = self.root / checkpoint_dir_name(candidate)
+            try:
+                result = load(sharded_state_dict, directory, **load_kwargs)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # the checkpoint's fault, not the request's
+                logger.warning("cannot load %s (%s: %s); trying the next older checkpoint", directory,
+                               type(e).__name__, e)
+                failures.append(f"{directory.name}: {e}")
+                continue
+            return result  # type: ignore[return-value]
+        raise CheckpointNotFoundError(
+            f"no loadable checkpoint in {self.root}" + (f": {'; '.join(failures)}" if failures else
+                                                         " (no committed iter_XXXXXXX directory, no tracker)"))
+
+    def close(self) -> None:
+        """Wait for pending saves and stop the background writer."""
+        try:
+            self.wait()
+        finally:
+            self._queue.close()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
