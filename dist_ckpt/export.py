@@ -35,7 +35,7 @@ import torch
 from .commit import fsync_directory
 from .core import CheckpointExistsError, CheckpointingException
 from .formats import SAFETENSORS_INDEX_FNAME
-from .object_store import is_url, localize, new_scratch_dir, upload_files
+from .object_store import is_url, localize, new_scratch_dir, require_empty_prefix, upload_files
 from .serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from .strategies.base import LoadShardedStrategy
 from .streaming import read_whole_tensor
@@ -197,6 +197,7 @@ def export_safetensors(
         CheckpointingException: two keys renamed to one name, or no tensor left to export.
     """
     if is_url(dst):
+        require_empty_prefix(str(dst), storage_options)  # before the work, not only after it
         scratch = new_scratch_dir("export")
         try:
             result = export_safetensors(src, scratch / "export", max_shard_size, include, dtype, rename, progress,

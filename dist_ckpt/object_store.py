@@ -68,6 +68,7 @@ __all__ = [
     "scratch_listing",
     "publish_checkpoint",
     "upload_files",
+    "require_empty_prefix",
     "new_scratch_dir",
 ]
 
@@ -265,12 +266,11 @@ def _prune_cache(url_dir: Path, keep: Path, copies: int = 2) -> None:
 
 
 def localize(path: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = None) -> Path:
-    """A local path for a checkpoint given as a path or a URL (loads: downloaded, cached)."""
+    """A local path for a checkpoint given as a path or a URL (loads: downloaded, cached).
+    ``storage_options`` apply to URLs; with a local path they are not used (a call may take a
+    local source and a URL target with one set of options)."""
     if is_url(path):
         return local_copy(str(path), storage_options)
-    if storage_options:
-        raise CheckpointingException(f"storage_options were given for the local path {os.fspath(path)}; "
-                                     f"they apply to URLs only")
     return _local_path(path)
 
 
@@ -339,12 +339,19 @@ def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
 def upload_files(local: Path, url: str, storage_options: Optional[Mapping[str, Any]], last: Sequence[str]) -> None:
     """A directory of plain files (an export) to an empty ``url``, the names ``last`` after the
     others (the index of a safetensors export, which readers follow)."""
-    loc = open_location(url, storage_options)
-    if _listing(loc, loc.path, skip_save_dirs=False):
-        raise CheckpointExistsError(f"{url} holds objects already; export to a new prefix")
+    loc = require_empty_prefix(url, storage_options)
     names = sorted(scratch_listing(local))
     _put(loc, local, [n for n in names if n not in last])
     _put(loc, local, [n for n in names if n in last])
+
+
+def require_empty_prefix(url: str, storage_options: Optional[Mapping[str, Any]]) -> StoreLocation:
+    """Refuse a target prefix that holds objects (checked before an export starts, and again
+    before its upload)."""
+    loc = open_location(url, storage_options)
+    if _listing(loc, loc.path, skip_save_dirs=False):
+        raise CheckpointExistsError(f"{url} holds objects already; export to a new prefix")
+    return loc
 
 
 def new_scratch_dir(what: str) -> Path:

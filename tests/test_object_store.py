@@ -161,7 +161,7 @@ def _put(bucket: str, key: str, body: bytes) -> None:
     boto3.client("s3").put_object(Bucket=bucket, Key=key, Body=body)
 
 
-def test_overwrite_refusal_nested_checkpoints_and_damaged_objects(bucket, capsys):
+def test_overwrite_refusal_nested_checkpoints_and_damaged_objects(bucket, capsys, tmp_path):
     url = f"s3://{bucket}/ckpt"
     state = {"w": dist_ckpt.ShardedTensor.from_rank_offsets("w", torch.arange(6.0))}
     dist_ckpt.save(state, url)
@@ -172,12 +172,31 @@ def test_overwrite_refusal_nested_checkpoints_and_damaged_objects(bucket, capsys
         dist_ckpt.save(state, f"s3://{bucket}")
     before = _objects(bucket)
     assert any(k.startswith("ckpt/") for k in before)
-    # storage_options for a local path is a mistake, said so
-    with pytest.raises(dist_ckpt.CheckpointingException, match="apply to URLs only"):
-        dist_ckpt.load_plain_tensors("/tmp/x", storage_options={"anon": True})
+    # storage_options instead of the AWS_* variables, for a load and for a local -> URL convert and
+    # export (one set of options for a call with a local source and a URL target)
+    import os
+
+    opts = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing"}
+    loaded = dist_ckpt.load({"w": dist_ckpt.ShardedTensor.from_rank_offsets("w", torch.zeros(6))}, url,
+                            storage_options=opts)
+    assert torch.equal(loaded["w"], torch.arange(6.0))
+    local = tmp_path / "local"
+    dist_ckpt.save(state, local)
+    from dist_ckpt.convert import convert_checkpoint
+    from dist_ckpt.export import export_safetensors
+
+    convert_checkpoint(local, f"s3://{bucket}/from_local", "torch_dist", storage_options=opts)
+    export_safetensors(local, f"s3://{bucket}/hf_from_local", storage_options=opts)
+    with pytest.raises(dist_ckpt.CheckpointExistsError, match="holds objects already"):
+        export_safetensors(local, f"s3://{bucket}/hf_from_local", storage_options=opts)
+    assert torch.equal(dist_ckpt.load_plain_tensors(f"s3://{bucket}/from_local", storage_options=opts)["w"],
+                       torch.arange(6.0))
+    assert torch.equal(dist_ckpt.load_plain_tensors(f"s3://{bucket}/hf_from_local", storage_options=opts)["w"],
+                       torch.arange(6.0))
+    before = _objects(bucket)
     # a damaged data object: validate (which re-downloads) reports it, the load refuses it
     pointer = json.loads(_get(bucket, "ckpt/metadata.json"))[POINTER_FIELD]
-    data_key = next(k for k in before if k.endswith(".distcp"))
+    data_key = next(k for k in before if k.startswith("ckpt/") and k.endswith(".distcp"))
     body = bytearray(_get(bucket, data_key))
     body[-9] ^= 0xFF
     _put(bucket, data_key, bytes(body))
