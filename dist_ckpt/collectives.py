@@ -210,7 +210,7 @@ class DistWrapper:
     def _on_coordinator(self, gathered: Optional[List[Any]], global_fn: Callable[[List[Any]], Any]
                         ) -> "tuple[Any, List[RankFailure]]":
         """Coordinator: ``global_fn`` over the gathered payloads, or the ranks' failures."""
-        assert gathered is not None  # gather_object fills it on the coordinator
+        gathered = gathered or []  # gather_object fills it on the coordinator, where this runs
         failures = [f for _, f in gathered if f is not None]
         if failures:
             return None, failures

@@ -42,7 +42,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Set, Union
+from typing import Any, Iterable, List, Optional, Set, Union
 
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, config_bytes, save_config
 
@@ -63,6 +63,7 @@ __all__ = [
     "staging_dir_for",
     "is_dist_ckpt_leftover",
     "checkpoint_entries",
+    "checkpoint_entries_of",
     "link_checkpoint_entries",
     "committed_checkpoints_inside",
     "clean",
@@ -207,15 +208,26 @@ _CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|\..+\.tmp-\d+)$")  # DCP data, o
 _ARRAY_OR_OBJECT_FILE_RE = re.compile(r"^(\.zarray|\.zattrs|\.zgroup|\d+(\.\d+)*|shard_[\d.]*_[\d.-]*\.pt)$")
 
 
-def _is_array_or_object_dir(path: str) -> bool:
-    """A zarr array or a ShardedObject directory: only such files, at any depth, and some."""
-    found = False
-    for _, _, files in os.walk(path):
-        for name in files:
-            if not _ARRAY_OR_OBJECT_FILE_RE.match(name):
-                return False
-            found = True
-    return found
+def checkpoint_entries_of(files: Iterable[str], manifest_files: Iterable[str] = ()) -> Set[str]:
+    """``checkpoint_entries`` of a listing: ``files`` are the relative paths (``/``-separated) of
+    every file under a directory (or object-store prefix), ``manifest_files`` those its manifest
+    lists. Top-level files with the format's own names, top-level directories holding only (and
+    some) zarr array or ShardedObject files at any depth, and what the manifest lists."""
+    names: Set[str] = set()
+    foreign_dirs: Set[str] = set()
+    dirs: Set[str] = set()
+    for rel in files:
+        top, _, rest = rel.partition("/")
+        if not rest:
+            if top in _CHECKPOINT_FILES or _CHECKPOINT_FILE_RE.match(top):
+                names.add(top)
+        elif _ARRAY_OR_OBJECT_FILE_RE.match(rest.rsplit("/", 1)[-1]):
+            dirs.add(top)
+        else:
+            foreign_dirs.add(top)
+    names.update(dirs - foreign_dirs)
+    names.update(f.split("/", 1)[0] for f in manifest_files)
+    return names
 
 
 def checkpoint_entries(directory: Path) -> Set[str]:
@@ -225,24 +237,18 @@ def checkpoint_entries(directory: Path) -> Set[str]:
     The format's own names, the files the manifest lists, and directories that hold nothing but
     zarr array or ShardedObject files. Everything else is someone else's and is never deleted.
     """
-    names: Set[str] = set()
-    try:
-        entries = list(os.scandir(directory))
-    except (FileNotFoundError, NotADirectoryError):
-        return names
-    for entry in entries:
-        if entry.name in _CHECKPOINT_FILES or _CHECKPOINT_FILE_RE.match(entry.name):
-            names.add(entry.name)
-        elif entry.is_dir(follow_symlinks=False) and _is_array_or_object_dir(entry.path):
-            names.add(entry.name)
     from .integrity import MANIFEST_FNAME, parse_manifest
 
+    files = []
+    for root, _, names in os.walk(directory):  # does not follow symlinked directories
+        prefix = os.path.relpath(root, directory)
+        files += [name if prefix == "." else f"{prefix}/{name}".replace(os.sep, "/") for name in names]
     try:
-        manifest = parse_manifest((Path(directory) / MANIFEST_FNAME).read_bytes(), str(directory))
-        names.update(f.split("/", 1)[0] for f in manifest.files)
+        manifest_files: Iterable[str] = parse_manifest(
+            (Path(directory) / MANIFEST_FNAME).read_bytes(), str(directory)).files
     except (OSError, ValueError):  # no manifest, or a damaged one (CorruptCheckpointError)
-        pass
-    return names
+        manifest_files = ()
+    return checkpoint_entries_of(files, manifest_files)
 
 
 def committed_checkpoints_inside(directory: Path) -> List[Path]:

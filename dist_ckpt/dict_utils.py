@@ -7,7 +7,7 @@ sharded state dicts ports unchanged.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Tuple
 
 import torch
 

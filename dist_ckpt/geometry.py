@@ -127,16 +127,14 @@ class Piece:
 
     @property
     def numel(self) -> int:
-        if self.flat_start is None:
+        if self.flat_start is None or self.flat_stop is None:  # set together
             return self.box.numel
-        assert self.flat_stop is not None  # set together with flat_start
         return self.flat_stop - self.flat_start
 
     def subboxes(self) -> List[SubBox]:
         """Contiguous boxes covering the piece, with their offsets in the piece's flat data."""
-        if self.flat_start is None:
+        if self.flat_start is None or self.flat_stop is None:  # set together
             return [SubBox(self.box, 0)]
-        assert self.flat_stop is not None
         return flat_range_to_subboxes(self.box, self.flat_start, self.flat_stop)
 
 

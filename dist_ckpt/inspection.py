@@ -105,8 +105,8 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
     for key, sh in sorted(metadata.items()):
         if isinstance(sh, ShardedObject):
             objects.append(key)
+        if not isinstance(sh, ShardedTensor):
             continue
-        assert isinstance(sh, ShardedTensor)
         nbytes = int(sh.global_shape and _numel(sh.global_shape) or 1) * sh.dtype.itemsize
         base = stored.get(key) or TensorSummary("", [], 0)
         tensors[key] = TensorSummary(str(sh.dtype).replace("torch.", ""), list(sh.global_shape), nbytes,

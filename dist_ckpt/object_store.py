@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
+from .commit import checkpoint_entries_of
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
 
@@ -361,26 +362,13 @@ def new_scratch_dir(what: str) -> Path:
     return path
 
 
-def _replaced_root_entries(names: Set[str]) -> Set[str]:
-    """Files at ``U``'s root that belong to a checkpoint uploaded as a plain directory."""
-    from .commit import checkpoint_entries
-
-    scratch = Path(tempfile.mkdtemp(prefix="dist_ckpt-names-"))
-    try:  # checkpoint_entries works on a directory: mirror the names (empty files)
-        for n in names:
-            (scratch / n).parent.mkdir(parents=True, exist_ok=True)
-            (scratch / n).touch()
-        return {n for n in names if n.split("/", 1)[0] in checkpoint_entries(scratch)}
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def _remove_replaced(loc: StoreLocation, keep: str) -> List[str]:
     """After the commit: other save directories and a replaced plain checkpoint's files."""
     loc.fs.invalidate_cache(loc.path)
     removed = _remove_interrupted(loc, keep)
     root_files = {rel for rel in _listing(loc, loc.path, skip_save_dirs=True) if rel != CONFIG_FNAME}
-    stale = sorted(_replaced_root_entries(root_files)) if root_files else []
+    entries = checkpoint_entries_of(root_files)  # a replaced checkpoint uploaded as a plain directory
+    stale = sorted(rel for rel in root_files if rel.split("/", 1)[0] in entries)
     if stale:
         with _storage_errors(loc.url, "removing the replaced checkpoint's files"):
             loc.fs.rm([loc.child(n) for n in stale])

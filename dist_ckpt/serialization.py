@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Callable, List, Optional, Set, Tuple, TypeVar, Union, cast
 
 from .collectives import DistWrapper
 from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
@@ -34,21 +33,20 @@ from .integrity import (
     open_recorder,
     verification,
 )
-from .dict_utils import diff, dict_list_map_outplace, extract_matching_values, merge, nested_values
+from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .fingerprint import structure_fingerprint
+from .state_split import assemble, compare_common_state_dicts, split_state_dict
 from .timing import phase, progress_display
 from .mapping import (
-    LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
     ShardedTensorFactory,
     StateDict,
-    apply_factories,
     apply_factory_merges,
 )
 from .strategies.async_utils import AsyncRequest
-from .utils import extract_nonpersistent, extract_sharded_base, gc_paused
+from .utils import gc_paused
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -93,108 +91,7 @@ DEFAULT_SAVE_BACKEND = ("torch_dist", 1)
 DEFAULT_COMMON_BACKEND = ("torch", 1)
 
 
-def _is_sharded(x: Any) -> bool:
-    return isinstance(x, ShardedBase)
-
-
-def _is_not_common(x: Any) -> bool:
-    return isinstance(x, (ShardedBase, LocalNonpersistentObject))
-
-
-def _split_state_dict(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, StateDict, StateDict]:
-    """(sharded part, common part, nonpersistent part) after applying factories (in place).
-
-    The sharded and nonpersistent parts keep list positions (lists become {index: value});
-    the common part is what Megatron-Core writes to common.pt: the rest, lists compacted,
-    empty containers kept (see ``dict_utils.extract_matching_values``).
-    """
-    apply_factories(sharded_state_dict)
-    _, persistent = extract_nonpersistent(sharded_state_dict)
-    _, common = extract_sharded_base(persistent)
-    sharded, _ = extract_matching_values(sharded_state_dict, _is_sharded, return_lists_as_dicts=True)
-    nonpersistent, _ = extract_matching_values(
-        sharded_state_dict, lambda x: isinstance(x, LocalNonpersistentObject), return_lists_as_dicts=True
-    )
-    return sharded, common, nonpersistent
-
-
-def _has_common_part(value: Any) -> bool:
-    """Whether ``value``, as an item of a list, left an item in the list's compacted common part.
-
-    Mirrors ``extract_matching_values``: empty containers and plain leaves (None included)
-    are common; a non-empty container is if any of its items is.
-    """
-    if isinstance(value, (dict, list)):
-        return not value or any(_has_common_part(v) for v in (value.values() if isinstance(value, dict) else value))
-    return not _is_not_common(value)
-
-
-_ABSENT = object()
-
-
-def _assemble(template: Any, common: Any, loaded: Any) -> Any:
-    """The loaded state dict in the shape of ``template`` (the request after factories).
-
-    ``common`` is the checkpoint's common part (lists compacted), ``loaded`` the sharded and
-    nonpersistent values with list positions as ``{index: value}``. Lists that mix both come
-    out in the template's order: each position takes its loaded value, or the next item of the
-    compacted common list if the template's item has a common part (``None`` included).
-    Megatron-Core merges by list length here and fails on such lists; this puts back exactly
-    what was saved. Common keys or list items the template lacks are kept (dicts) or appended
-    (lists), as nothing a checkpoint holds is dropped.
-    """
-    if isinstance(template, dict):
-        out = dict(common) if isinstance(common, dict) else {}
-        if isinstance(loaded, dict):
-            for k, t in template.items():
-                if k in loaded:
-                    out[k] = _assemble(t, out.get(k, _ABSENT), loaded[k])
-        return out
-    if isinstance(template, list):
-        common_items = list(common) if isinstance(common, list) else []
-        next_common = 0
-        out_list = []
-        for i, t in enumerate(template):
-            c: Any = _ABSENT
-            if _has_common_part(t) and next_common < len(common_items):
-                c = common_items[next_common]
-                next_common += 1
-            l = loaded[i] if isinstance(loaded, dict) and i in loaded else _ABSENT
-            if l is _ABSENT and c is _ABSENT:
-                continue  # neither loaded (e.g. an unexpected key dropped) nor in common.pt
-            out_list.append(c if l is _ABSENT else _assemble(t, c, l))
-        out_list.extend(common_items[next_common:])
-        return out_list
-    return loaded
-
-
 CONTENT_METADATA_KEY = "content_metadata"
-
-
-def compare_common_state_dicts(
-    dist: DistWrapper, common_state_dict: StateDict, preprocess: Optional[Callable[[StateDict], StateDict]]
-) -> None:
-    """Log where a rank's common state differs from rank 0's (which is the one saved).
-
-    Collective, and it survives errors: ``preprocess`` failing or rank 0's dict not pickling
-    on any rank is raised, identically, on every rank (no rank is left waiting).
-    """
-
-    def local() -> Tuple[Any, Optional[bytes]]:
-        mine = preprocess(common_state_dict) if preprocess else common_state_dict
-        return mine, (pickle.dumps(mine) if dist.is_coordinator else None)
-
-    (mine, _), shared = dist.exchange(local, share=lambda result: result[1])
-    if dist.is_coordinator:
-        return
-    reference = pickle.loads(shared[dist.coordinator_rank])  # noqa: S301 - bytes rank 0 just pickled
-    only_rank0, only_here, mismatch = diff(reference, mine)
-    if only_rank0 or only_here or mismatch:
-        logger.warning(
-            "rank %d's common state dict differs from rank 0's, which is what gets saved: keys only on "
-            "rank 0: %s, only here: %s, different values: %s",
-            dist.rank, only_rank0, only_here, [m[0] for m in mismatch],
-        )
 
 
 def load_content_metadata(
@@ -332,7 +229,7 @@ class SaveTransaction:
         """Step 1 (the sharding check itself runs on the coordinator in ``stage``'s collective)."""
         dist = self.dist
         # Factories run user code: a failure on one rank is raised on all of them.
-        self.sharded_part, self.common_state_dict, _ = dist.all_run(lambda: _split_state_dict(self.state_dict))
+        self.sharded_part, self.common_state_dict, _ = dist.all_run(lambda: split_state_dict(self.state_dict))
         if self.content_metadata is not None:
             self.common_state_dict[CONTENT_METADATA_KEY] = self.content_metadata
         if self.validate_access_integrity and dist.world_size > 1:
@@ -366,8 +263,7 @@ class SaveTransaction:
                 validate_sharding_integrity([md or [] for md in global_metadata])  # before anything touches the disk
             if self.url is not None:
                 return begin_remote_save(self.url, self.overwrite, self.storage_options)
-            assert self.target is not None  # a local target when there is no URL
-            self.staged = begin_save(self.target, self.overwrite)
+            self.staged = begin_save(_required(self.target, "a local target"), self.overwrite)
             return str(self.staged.staging)
 
         prepared = self.dist.all_reduce(local_metadata, prepare)
@@ -397,8 +293,7 @@ class SaveTransaction:
 
         self.dist.all_run(write_common)
         if self.async_sharded_save:
-            assert isinstance(self.sharded_strategy, AsyncSaveShardedStrategy)  # checked in __init__
-            return self.sharded_strategy.async_save(sharded_part, staging)
+            return cast(AsyncSaveShardedStrategy, self.sharded_strategy).async_save(sharded_part, staging)  # see __init__
         if isinstance(self.sharded_strategy, AsyncSaveShardedStrategy):
             self.sharded_strategy.save(sharded_part, staging)  # its collectives share failures
         else:
@@ -412,16 +307,15 @@ class SaveTransaction:
             return self._upload_and_commit(self.remote, entries)
 
         def finish(all_entries: List[List[ManifestEntry]]) -> None:
-            assert self.staged is not None and self.config is not None  # the coordinator's, from stage()
-            commit_staged(self.staged, self.config, [e for rank_entries in all_entries for e in rank_entries])
+            commit_staged(_required(self.staged, "the coordinator's staged save"), _required(self.config, "the config"),
+                          [e for rank_entries in all_entries for e in rank_entries])
 
         self.dist.all_reduce(lambda: entries, finish)
 
     def _upload_and_commit(self, remote: RemoteSave, entries: List[ManifestEntry]) -> None:
         """A URL target: the coordinator completes the scratch checkpoint, every rank uploads
         the files it wrote, then the coordinator PUTs the pointer (``object_store``)."""
-        dist, scratch, config = self.dist, self._staging(), self.config
-        assert config is not None  # set in stage()
+        dist, scratch, config = self.dist, self._staging(), _required(self.config, "the config")
 
         def assign(all_entries: List[List[ManifestEntry]]) -> List[List[str]]:
             write_manifest_and_config(scratch, config, [e for rank in all_entries for e in rank])
@@ -433,8 +327,7 @@ class SaveTransaction:
         shutil.rmtree(scratch, ignore_errors=True)
 
     def _staging(self) -> Path:
-        assert self.staging is not None, "stage() runs first"
-        return self.staging
+        return _required(self.staging, "the staging directory")
 
     def abort(self) -> None:
         """After a failure every rank knows of: forget the checksums, drop the staging directory
@@ -447,6 +340,17 @@ class SaveTransaction:
             if self.dist.is_coordinator:
                 self.remote.abort()
             shutil.rmtree(self.remote.scratch, ignore_errors=True)
+
+
+T = TypeVar("T")
+
+
+def _required(value: Optional[T], what: str) -> T:
+    """A value ``SaveTransaction.stage`` sets, asked for by a later step (a check that ``python -O``
+    keeps, unlike an assert)."""
+    if value is None:
+        raise CheckpointingException(f"internal error: {what} is not set; SaveTransaction steps ran out of order")
+    return value
 
 
 def load(
@@ -490,7 +394,8 @@ def _load(
     if is_url(checkpoint_dir):  # downloaded (once per machine) in a step whose failure all ranks share
         with phase("load: download"):
             checkpoint_dir = dist.all_run(lambda: localize(checkpoint_dir, storage_options))
-    checkpoint_dir = localize(checkpoint_dir, storage_options)
+    else:
+        checkpoint_dir = localize(checkpoint_dir)
     strict = parse_strict_flag(strict)
     needs_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict)
 
@@ -500,7 +405,7 @@ def _load(
         factories, _ = extract_matching_values(
             sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory), return_lists_as_dicts=True
         )
-        sharded_part, _, nonpersistent = _split_state_dict(sharded_state_dict)
+        sharded_part, _, nonpersistent = split_state_dict(sharded_state_dict)
         local_md = [sh.without_data() for sh in nested_values(sharded_part)] if needs_global else None
         return sharded, common, common_state_dict, factories, sharded_part, nonpersistent, local_md
 
@@ -527,7 +432,7 @@ def _load(
             merge(loaded, sharded.load(sharded_part, checkpoint_dir))
         if nonpersistent:
             merge(loaded, dict_list_map_outplace(lambda x: x.unwrap(), nonpersistent))
-        result = _assemble(sharded_state_dict, common_state_dict, loaded)
+        result = assemble(sharded_state_dict, common_state_dict, loaded)
         if factories:
             result = apply_factory_merges(result, factories)
         return result, missing, unexpected

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import subprocess
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from dist_ckpt import ShardedTensor
 from dist_ckpt.commit import OLD_MARK, STAGING_MARK, SaveLock, clean
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.launch import run_processes
+from small_fs import small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -203,10 +203,9 @@ def _save_v1_again(rank, world, ckpt):
 def test_disk_full_on_a_real_small_filesystem(tmp_path):
     """A 2 MiB tmpfs: rank 1's shard does not fit. Skipped only where mounting is not allowed."""
     mount = tmp_path / "small_fs"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here; the injected-ENOSPC case covers disk-full")
-    try:
+    with small_tmpfs(mount) as mounted:
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here; the injected-ENOSPC case covers disk-full")
         ckpt = str(mount / "ckpt")
         assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
         outcomes = run_processes(_save_big, 2, ckpt, collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
@@ -214,8 +213,6 @@ def test_disk_full_on_a_real_small_filesystem(tmp_path):
         assert "No space left on device" in outcomes[0].result[1]
         _assert_holds(ckpt, 2, 1)
         assert sorted(os.listdir(mount)) == ["ckpt"]  # the failed save's staging was removed
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def _save_big(rank, world, ckpt):

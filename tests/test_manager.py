@@ -17,6 +17,7 @@ import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_ckpt.manager import RELEASE, TRACKER_FNAME, CheckpointManager, PendingSaveError, read_tracker
 from dist_helpers import run_distributed
+from small_fs import small_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -226,15 +227,12 @@ def _save_through_full_disk(rank, world, root):
 
 def test_disk_full_with_on_error_warn_training_continues(tmp_path):
     mount = tmp_path / "small_fs"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.fail("cannot mount a tmpfs for the disk-full case (the tests run as root on Linux)")
-    try:
+    with small_tmpfs(mount) as mounted:
+        if not mounted:
+            pytest.fail("cannot mount a tmpfs for the disk-full case (the tests run as root on Linux)")
         results = run_distributed(_save_through_full_disk, 2, str(mount / "run"))
         assert results[0] == results[1] == (1, [2], 3, 3.0, [1, 3], 1)  # logged on every rank, with the reason
         assert not [n for n in os.listdir(mount / "run") if "dist_ckpt" in n]  # the failed save cleaned up
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_single_process_raise_blocking_and_max_pending(tmp_path, caplog):

@@ -174,8 +174,7 @@ class SafetensorsLoadShardedStrategy(LoadShardedStrategy):
         """Copy the part of the stored tensor the request covers into ``sh.data``."""
         whole = Box((0,) * len(stored_shape), stored_shape)
         piece = sh.piece()
-        data = sh.data
-        assert data is not None  # allocated by the caller
+        data = sh.require_data()
         flat = data.reshape(-1) if piece.is_flat else None
         for sub in piece.subboxes():
             inter = intersect(sub.box, whole) if sub.box.numel else None

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple, cast
 
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -156,6 +156,5 @@ class MCoreLoadPlanner(DefaultLoadPlanner):
                 )
 
     def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None  # set_up_planner ran
-        self._validate_global_shapes(self.metadata)
+        self._validate_global_shapes(cast(Metadata, self.metadata))  # set by set_up_planner
         return super().create_local_plan()

@@ -20,7 +20,7 @@ import logging
 import pickle
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
     SavePlan,
+    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -90,8 +91,8 @@ class _ItemSource:
     def __call__(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return io.BytesIO(self._objects[write_item.index.fqn])
-        assert write_item.tensor_data is not None  # a SHARD item always has it
-        return self._tensors[write_item.index].reshape(write_item.tensor_data.chunk.sizes)
+        tensor_data = cast(TensorWriteData, write_item.tensor_data)  # a SHARD item always has it
+        return self._tensors[write_item.index].reshape(tensor_data.chunk.sizes)
 
 
 @dataclass
@@ -183,12 +184,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         global_metadata: List[Metadata] = []
         object_blobs: Dict[str, bytes] = {}
         fingerprint = structure_fingerprint(leaves) if self.cached_metadata else None
-        plan = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
-        if plan is not None:
+        cached = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
+        if cached is not None:
+            _, plan, cached_metadata = cached
             object_blobs.update(dist.all_run(lambda: _serialize_objects(objects)))
-            cached = self._cached_plan
-            assert cached is not None  # _cached_plan_for found it
-            global_metadata.append(copy.copy(cached[2]) if dist.is_coordinator else None)  # type: ignore[arg-type]
+            global_metadata.append(copy.copy(cached_metadata) if dist.is_coordinator else None)  # type: ignore[arg-type]
         else:
             def global_step(all_local: List[Any]) -> List[SavePlan]:
                 plans, metadata = make_global_save_plan(all_local)
@@ -255,12 +255,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._staging = StagingBuffers(self.async_staging_budget, shared=self.async_writer == "process")
         return self._staging
 
-    def _cached_plan_for(self, dist: DistWrapper, fingerprint: str) -> Optional[SavePlan]:
-        """The previous save's plan if every rank's structure fingerprint is unchanged."""
+    def _cached_plan_for(self, dist: DistWrapper, fingerprint: str
+                         ) -> Optional[Tuple[str, SavePlan, Optional[Metadata]]]:
+        """The previous save's (fingerprint, plan, metadata) if every rank's structure fingerprint is unchanged."""
         same = self._cached_plan is not None and self._cached_plan[0] == fingerprint
         if not dist.all_reduce_min(1 if same else 0) or self._cached_plan is None:
             return None
-        return self._cached_plan[1]
+        return self._cached_plan
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
@@ -353,9 +354,7 @@ class _ViewLoadPlanner(LoadPlanner):
 
 def _task_index(read_item: ReadItem) -> int:
     """Our planner numbers read items by task through ``dest_index.index``."""
-    index = read_item.dest_index.index
-    assert index is not None
-    return index
+    return cast(int, read_item.dest_index.index)
 
 
 def _bytes_read_item(unique_key: str) -> ReadItem:

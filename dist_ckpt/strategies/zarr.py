@@ -167,8 +167,7 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
             if sh.key not in arrays:
                 arrays[sh.key] = zarr.open_array(str(checkpoint_dir / sh.key), mode="r+", zarr_format=2)
             array = arrays[sh.key]
-            assert sh.data is not None  # a save request carries its data
-            values = torch_to_numpy(sh.data)
+            values = torch_to_numpy(sh.require_data())
             array[sh.global_slice()] = values
             meta = ZarrArrayMeta(sh.key, tuple(array.shape), tuple(array.chunks), sh.dtype, ".")
             box = sh.global_box()
