@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-from typing import Any, List, Optional
+import threading
+from typing import Any, List, NoReturn, Optional
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 
 def _inspect(source: str, storage_options: Optional[dict], as_json: bool) -> None:
@@ -18,49 +21,119 @@ def _inspect(source: str, storage_options: Optional[dict], as_json: bool) -> Non
     print(json.dumps(summary.to_json(), indent=2) if as_json else format_summary(summary))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+_EXAMPLES = {
+    "demo": "dist-ckpt demo --dir /tmp/dist_ckpt_demo",
+    "inspect": "dist-ckpt inspect ckpt/iter_0000100 --json",
+    "diff": "dist-ckpt diff ckpt/iter_0000100 hf_model",
+    "convert": "dist-ckpt convert ckpt/iter_0000100 ckpt_zarr/iter_0000100 --backend zarr",
+    "export": "dist-ckpt export ckpt/iter_0000100 hf_model --max-shard-size 2GB --dtype bf16",
+    "validate": "dist-ckpt validate ckpt/iter_0000100",
+    "clean": "dist-ckpt clean ckpt",
+    "strategies": "dist-ckpt strategies",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (what is wrong and where to look), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dist-ckpt`` parser; ``--help`` ends with every command's usage and an example."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.")
+    parser = _Parser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dist-ckpt {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="print a per-phase timing table to stderr")
     parser.add_argument("--storage-options", default=None, metavar="JSON",
                         help='fsspec options for URL sources and targets, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
                              '(S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)')
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify")
-    demo.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed after)")
-    demo.add_argument("--save-ranks", type=int, default=2)
-    demo.add_argument("--load-ranks", type=int, default=3)
-    inspect = sub.add_parser("inspect", help="per tensor: dtype, shape, bytes, chunks, writers; totals per prefix; "
-                                             "backends (e.g. dist-ckpt inspect ckpt/iter_0000100 --json)")
-    inspect.add_argument("directory", help="a checkpoint directory or URL, any format")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, epilog=f"example: {_EXAMPLES[name]}")
+
+    demo = command("demo", "2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify every byte")
+    demo.add_argument("--dir", default=None, help="where to write; the checkpoint is kept there as DIR/ckpt "
+                                                  "(default: a temporary directory, removed after)")
+    demo.add_argument("--save-ranks", type=_positive_int, default=2, metavar="N", help="ranks that save (default 2)")
+    demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="N", help="ranks that load (default 3)")
+    inspect = command("inspect", "per tensor: dtype, shape, bytes, chunks, writers; totals per prefix; backends")
+    inspect.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL, any format")
     inspect.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    diff = sub.add_parser("diff", help="compare two checkpoints of any format, tensor by tensor; exit 1 when they "
-                                       "differ (e.g. dist-ckpt diff ckpt/iter_0000100 hf_model)")
-    diff.add_argument("a")
-    diff.add_argument("b")
-    convert = sub.add_parser("convert", help="rewrite a checkpoint in another backend (one tensor in memory at a time)")
-    convert.add_argument("src")
-    convert.add_argument("dst")
+    diff = command("diff", "compare two checkpoints of any format, tensor by tensor; exit code 1 when they differ")
+    diff.add_argument("a", metavar="A", help="a checkpoint directory or URL, any format")
+    diff.add_argument("b", metavar="B", help="another one")
+    convert = command("convert", "rewrite a checkpoint in another backend (one tensor in memory at a time)")
+    convert.add_argument("src", metavar="SRC", help="a checkpoint directory or URL, any format")
+    convert.add_argument("dst", metavar="DST", help="the new checkpoint's directory or URL")
     convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
-    convert.add_argument("--version", type=int, default=1)
-    export = sub.add_parser("export", help="write any checkpoint as Hugging Face safetensors shards + index, "
-                                           "streaming (e.g. dist-ckpt export ckpt/iter_0000100 hf_model)")
-    export.add_argument("src")
-    export.add_argument("dst", help="a new (or empty) directory")
+    convert.add_argument("--version", type=int, default=1, help="target backend version (default 1)")
+    convert.add_argument("--overwrite", action="store_true",
+                         help="replace a checkpoint at DST once the new one is complete (other files there are kept)")
+    export = command("export", "write any checkpoint as Hugging Face safetensors shards + index, streaming")
+    export.add_argument("src", metavar="SRC", help="a checkpoint directory or URL, any format")
+    export.add_argument("dst", metavar="DST", help="a new (or empty) directory or URL")
     export.add_argument("--format", choices=["safetensors"], default="safetensors")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per file: 5GB (default), 500MB, 2GiB")
-    export.add_argument("--include", default=None, help="only keys this regular expression finds")
+    export.add_argument("--include", default=None, metavar="REGEX", help="only keys this regular expression finds")
     export.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32")
     export.add_argument("--rename", default=None, help="a registered key renamer (dist_ckpt.key_renamers entry points)")
-    sub.add_parser("strategies", help="list registered strategies and whether their libraries are installed")
-    validate = sub.add_parser("validate", help="check a checkpoint: structure, coverage, checksums")
-    validate.add_argument("directory")
-    clean = sub.add_parser("clean", help="remove what interrupted saves left (staging directories), restore "
-                                         "a checkpoint an interrupted overwrite moved aside")
-    clean.add_argument("path", help="a checkpoint directory, or a directory of checkpoints")
-    args = parser.parse_args(argv)
+    command("strategies", "list registered strategies and whether their libraries are installed")
+    validate = command("validate", "check a checkpoint: structure, coverage, checksums; exit code 1 when invalid")
+    validate.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL")
+    clean = command("clean", "remove what interrupted saves left (staging directories), restore a checkpoint an "
+                             "interrupted overwrite moved aside; nothing else is touched")
+    clean.add_argument("path", metavar="PATH", help="a checkpoint directory, or a directory of checkpoints")
+    lines = ["commands, their arguments and an example:"]
+    for name, subparser in sub.choices.items():
+        usage = " ".join(w for w in subparser.format_usage().split()[1:] if w != "[-h]")
+        lines += [f"  {usage}", f"      e.g. {_EXAMPLES[name]}"]
+    parser.epilog = "\n".join(lines)
+    return parser
+
+
+class _Terminated(BaseException):
+    """SIGTERM, turned into an exception so that cleanup (``finally``) runs."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run one command; returns the exit code. Errors are one line on stderr, never a traceback:
+    1 for a failure, 2 for bad options, 130 after Ctrl-C, 143 after SIGTERM."""
+    args = build_parser().parse_args(argv)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        return _main(args)
+    except KeyboardInterrupt:
+        print("dist-ckpt: interrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        print("dist-ckpt: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: argparse.Namespace) -> int:
     from .core import CheckpointingException
     from .timing import format_table, recording
 
@@ -72,19 +145,29 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(format_table(times), file=sys.stderr)
         return code
     except CheckpointingException as e:
-        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        print(f"dist-ckpt: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except ValueError as e:  # bad option values (sizes, dtypes, patterns)
-        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        print(f"dist-ckpt: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `dist-ckpt inspect DIR | head`: the reader left, nothing more to say
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
     except OSError as e:  # unreadable source, unwritable target, full disk: the system's words, one line
-        print(f"dist-ckpt: error: {e}", file=sys.stderr)
+        print(f"dist-ckpt: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except Exception as e:  # a bug of ours or of a plugin: still one line, the traceback on request
+        if os.environ.get("DIST_CKPT_TRACEBACK"):
+            raise
+        print(f"dist-ckpt: error: {_one_line(e)} (unexpected; DIST_CKPT_TRACEBACK=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (OSError, ValueError)) or type(e).__module__.startswith("dist_ckpt") \
+        else f"{type(e).__name__}: {text}"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -106,8 +189,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "convert":
         from .convert import convert_checkpoint
 
-        convert_checkpoint(args.src, args.dst, args.backend, args.version, storage_options=storage_options,
-                           progress=_progress_bar("converting"))
+        convert_checkpoint(args.src, args.dst, args.backend, args.version, overwrite=args.overwrite,
+                           storage_options=storage_options, progress=_progress_bar("converting"))
         print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
     elif args.command == "export":
         from .export import export_safetensors

@@ -66,6 +66,7 @@ __all__ = [
     "checkpoint_entries_of",
     "link_checkpoint_entries",
     "committed_checkpoints_inside",
+    "OVERWRITE_HINT",
     "clean",
     "recover",
 ]
@@ -98,6 +99,8 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
 
 
 
+#: How to replace a committed checkpoint, in every form the refusal can come from.
+OVERWRITE_HINT = "pass overwrite=True to save / convert_checkpoint, or --overwrite to dist-ckpt convert"
 STAGING_MARK = ".dist_ckpt-staging-"
 OLD_MARK = ".dist_ckpt-old-"
 LOCK_MARK = ".dist_ckpt-lock"
@@ -420,7 +423,7 @@ class StagedSave:
         if self.overwrite is False and _is_committed(self.target):
             raise CheckpointExistsError(
                 f"another save committed a checkpoint at {self.target} while this one ran; this save was "
-                f"not committed and its files are removed (pass overwrite=True to replace)"
+                f"not committed and its files are removed ({OVERWRITE_HINT})"
             )
         parent = self.target.parent
         replaced = checkpoint_entries(self.target)
@@ -479,7 +482,7 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
             if overwrite is False:
                 raise CheckpointExistsError(
                     f"{target} already holds a committed checkpoint ({CONFIG_FNAME} exists); save to a new "
-                    f"directory, or pass overwrite=True (or leave it None) to replace it once the new one is complete"
+                    f"directory, or replace it once the new one is complete: {OVERWRITE_HINT}"
                 )
             if overwrite is None:
                 logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits "

@@ -29,16 +29,20 @@ __all__ = ["convert_checkpoint"]
 
 
 def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], backend: str, version: int = 1,
-                       *, storage_options: Optional[dict] = None,
+                       *, overwrite: bool = False, storage_options: Optional[dict] = None,
                        progress: Optional[Callable[[Iterable], Iterable]] = None) -> None:
     """Write the checkpoint ``src`` as a new checkpoint ``dst`` of ``(backend, version)``.
 
     ``src`` and ``dst`` may be URLs (``storage_options`` for fsspec): a URL source is read from
     the local cache, a URL target is written locally, then uploaded and committed as a save to
     a URL is. ``progress`` wraps the iteration over tensors (e.g. ``tqdm``).
+
+    ``dst`` must not hold a committed checkpoint unless ``overwrite`` (then it is replaced once
+    the new one is complete; ``src == dst`` converts in place); files of other tools in ``dst``
+    are kept, and a ``dst`` that holds other checkpoints (a parent directory) is refused.
     """
     if is_url(dst):
-        remote = begin_remote_save(str(dst), False, storage_options)
+        remote = begin_remote_save(str(dst), overwrite, storage_options)
         scratch = new_scratch_dir("convert")
         try:
             convert_checkpoint(src, scratch / "checkpoint", backend, version, storage_options=storage_options,
@@ -59,7 +63,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
         metadata = load_sharded_metadata(src, loader, common_loader)
     tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
     objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
-    staged = begin_save(dst, overwrite=False)
+    staged = begin_save(dst, overwrite=overwrite)
     open_recorder(staged.staging)
     try:
         with phase("convert: tensors"):

@@ -136,7 +136,12 @@ def _demo_load(rank: int, world: int, ckpt: str) -> float:
 
 
 def run_demo(directory: Optional[str] = None, save_ranks: int = 2, load_ranks: int = 3) -> None:
-    """Save with ``save_ranks`` gloo processes, load resharded with ``load_ranks``, verify."""
+    """Save with ``save_ranks`` gloo processes, load resharded with ``load_ranks``, verify.
+
+    With ``directory``, the checkpoint is written to (and kept in) ``directory/ckpt``; a
+    checkpoint already there is replaced. Ctrl-C ends every rank process (``launch``)."""
+    if save_ranks < 1 or load_ranks < 1:
+        raise ValueError(f"save_ranks and load_ranks must be positive, got {save_ranks} and {load_ranks}")
     tmp = None
     if directory is None:
         tmp = tempfile.mkdtemp(prefix="dist_ckpt_demo_")
@@ -158,6 +163,8 @@ def run_demo(directory: Optional[str] = None, save_ranks: int = 2, load_ranks: i
               f"in {max(load_times) * 1000:.0f} ms (wall: {time.perf_counter() - t0:.1f} s); every byte verified")
         for key, meta in sorted(load_tensors_metadata(ckpt).items()):
             print(f"    {key:22s} {str(meta.dtype).replace('torch.', ''):9s} {tuple(meta.global_shape)}")
+        print(f"  the checkpoint is kept in {ckpt} (dist-ckpt inspect {ckpt})" if tmp is None
+              else "  (the temporary directory is removed; pass --dir DIR to keep the checkpoint)")
         print("OK")
     finally:
         if tmp is not None:

@@ -1,10 +1,22 @@
 """Run a function on N local processes joined in a gloo process group (demo and tests).
 
 ``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes
-(torch.multiprocessing, ``init_method=file://...``), calls ``fn(rank, world_size, *args)``
-in each, and returns the list of per-rank return values. Every collective has a timeout
-(the process group's), so a hang becomes a failure instead of a stuck CI job. An exception
-in any rank fails the call with that rank's traceback.
+(``multiprocessing`` spawn context, ``init_method=file://...``), calls ``fn(rank, world_size,
+*args)`` in each, and returns the list of per-rank return values. Every collective has a
+timeout (the process group's), so a hang becomes a failure instead of a stuck CI job.
+
+Why not ``torch.multiprocessing.spawn``: it leaves its rank processes running when the caller
+is interrupted (Ctrl-C in ``join`` raises in the parent only; the ranks go on, and the
+interpreter then waits for them at exit), and it reports a rank's exception as text. Here:
+
+- a rank that raises makes the call raise the same exception (its type, when it can be
+  pickled; ``RankFailedError`` otherwise), with the rank's traceback as a note;
+- the ranks ignore SIGINT, so Ctrl-C in a terminal (sent to the whole process group) is
+  handled once, by the caller: any exception in the caller - ``KeyboardInterrupt`` included,
+  or the ``SystemExit`` a SIGTERM handler raises - ends every rank (SIGTERM, then SIGKILL
+  after ``GRACE_S``) before it propagates;
+- a rank dies with its parent (``PR_SET_PDEATHSIG``), so even a SIGKILLed caller leaves no
+  process behind.
 """
 
 from __future__ import annotations
@@ -12,42 +24,153 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
+import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from multiprocessing.connection import wait as wait_for_sentinels
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Iterator, List, Optional, Sequence, cast
 
+import multiprocessing
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-__all__ = ["run_distributed", "run_processes", "ProcessOutcome", "COLLECTIVE_TIMEOUT_S"]
+from .child_process import detach_from_interrupts
+
+__all__ = ["run_distributed", "run_processes", "ProcessOutcome", "RankFailedError", "COLLECTIVE_TIMEOUT_S", "GRACE_S"]
 
 COLLECTIVE_TIMEOUT_S = 60  # every collective of the group times out after this
+GRACE_S = 3.0  # how long a rank has to exit after SIGTERM (and the others after one rank failed)
 
 
-def _worker(rank: int, fn: Callable, world_size: int, tmp: str, args: tuple) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/pg_init",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+class RankFailedError(Exception):
+    """A rank of ``run_distributed`` failed with an exception that could not be re-raised
+    as itself (not picklable), or died without one (killed, crashed)."""
+
+
+def _init_group(rank: int, world_size: int, tmp: str, timeout_s: float) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg_init", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _write(path: str, value: Any) -> None:
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(value, f)
+    os.replace(path + ".tmp", path)
+
+
+def _worker(rank: int, fn: Callable, world_size: int, tmp: str, parent_pid: int, args: tuple) -> None:
+    detach_from_interrupts(parent_pid)
+    _init_group(rank, world_size, tmp, COLLECTIVE_TIMEOUT_S)
     try:
         result = fn(rank, world_size, *args)
-        with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
+        text = traceback.format_exc()
+        try:
+            payload = pickle.dumps(e)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001 - an exception that does not survive pickling
+            payload = None
+        _write(os.path.join(tmp, f"error_{rank}.pkl"), (payload, f"{type(e).__name__}: {e}", text))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # No destroy_process_group: a peer may be gone, and it would wait for it.
+        os._exit(1)
+    _write(os.path.join(tmp, f"result_{rank}.pkl"), result)
+    dist.destroy_process_group()
+
+
+def _start(target: Callable, world_size: int, make_args: Callable[[int], tuple]) -> List[BaseProcess]:
+    """Start the ranks with SIGINT blocked, so a Ctrl-C while they boot is not a traceback in
+    each of them but one pending signal in the caller, delivered when the mask is restored."""
+    ctx = multiprocessing.get_context("spawn")
+    procs: List[BaseProcess] = [ctx.Process(target=target, args=make_args(r), name=f"dist_ckpt-rank-{r}")
+                                for r in range(world_size)]
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if in_main_thread else None
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        _end(procs, grace_s=0)
+        raise
     finally:
-        dist.destroy_process_group()
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    return procs
+
+
+def _end(procs: Sequence[BaseProcess], grace_s: float = GRACE_S) -> None:
+    """Every rank still running gets SIGTERM, then SIGKILL after ``grace_s``; all are reaped."""
+    alive = [p for p in procs if p.pid is not None and p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _wait_all(procs: Sequence[BaseProcess], stop_at_first_failure: bool, deadline: Optional[float]) -> None:
+    """Wait until every rank exited, or one failed (then ``GRACE_S`` more for the others), or
+    ``deadline`` (monotonic) passed."""
+    pending = {p.sentinel: p for p in procs}
+    failed_at: Optional[float] = None
+    while pending:
+        ends = [t for t in (deadline, None if failed_at is None else failed_at + GRACE_S) if t is not None]
+        timeout = max(0.0, min(ends) - time.monotonic()) if ends else None
+        ready = wait_for_sentinels(list(pending), timeout)
+        if not ready:
+            return
+        for sentinel in ready:
+            p = pending.pop(cast(int, sentinel))
+            p.join()
+            if p.exitcode != 0 and stop_at_first_failure and failed_at is None:
+                failed_at = time.monotonic()
+
+
+def _failures(procs: Sequence[BaseProcess], tmp: str) -> Iterator[BaseException]:
+    """The exceptions of the ranks that failed, first the ones that raised (by rank)."""
+    deaths = []
+    for rank, p in enumerate(procs):
+        path = os.path.join(tmp, f"error_{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                payload, summary, text = pickle.load(f)
+            exc = pickle.loads(payload) if payload is not None else RankFailedError(f"rank {rank}: {summary}")
+            exc.add_note(f"(raised in rank {rank} of {len(procs)}; its traceback:)\n{text}")
+            yield exc
+        elif p.exitcode not in (0, None):
+            how = (f"was killed by {signal.Signals(-p.exitcode).name}" if p.exitcode < 0
+                   else f"exited with code {p.exitcode}")
+            deaths.append(RankFailedError(f"rank {rank} of {len(procs)} {how} without raising an exception"))
+    yield from deaths
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; their results.
 
     ``fn`` must be importable by name (a module-level function) and return something picklable.
+
+    Raises:
+        The exception a rank raised (the first rank's, if several did); ``RankFailedError`` if
+        it cannot be pickled or a rank died without one. Whatever interrupts the caller
+        (``KeyboardInterrupt``, ...) propagates once every rank has ended.
     """
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
-        mp.spawn(_worker, args=(fn, world_size, tmp, args), nprocs=world_size, join=True)
+        parent = os.getpid()
+        procs = _start(_worker, world_size, lambda r: (r, fn, world_size, tmp, parent, args))
+        try:
+            _wait_all(procs, stop_at_first_failure=True, deadline=None)
+        finally:
+            _end(procs)
+        for failure in _failures(procs, tmp):
+            raise failure
         results = []
         for rank in range(world_size):
             with open(os.path.join(tmp, f"result_{rank}.pkl"), "rb") as f:
@@ -65,15 +188,13 @@ class ProcessOutcome:
     seconds: float  # from start to exit
 
 
-def _outcome_worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, args: tuple) -> None:
+def _outcome_worker(rank: int, fn: Callable, world_size: int, tmp: str, timeout_s: float, parent_pid: int,
+                    args: tuple) -> None:
+    detach_from_interrupts(parent_pid)
     start = time.monotonic()
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp}/pg_init", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    _init_group(rank, world_size, tmp, timeout_s)
     result = fn(rank, world_size, *args)
-    with open(os.path.join(tmp, f"result_{rank}.pkl"), "wb") as f:
-        pickle.dump((result, time.monotonic() - start), f)
+    _write(os.path.join(tmp, f"result_{rank}.pkl"), (result, time.monotonic() - start))
     # No destroy_process_group (a peer may be dead and it would wait), and no interpreter
     # shutdown either: with a broken group, gloo's threads can abort the process on the way
     # out, which would hide that this rank finished normally.
@@ -87,24 +208,22 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, collectiv
     A rank still alive at ``deadline_s`` is killed and reported with ``exitcode=None``, which
     is how a test sees a hang.
     """
-    ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
-        procs = [ctx.Process(target=_outcome_worker, args=(r, fn, world_size, tmp, collective_timeout_s, args))
-                 for r in range(world_size)]
+        parent = os.getpid()
         start = time.monotonic()
-        for p in procs:
-            p.start()
+        procs = _start(_outcome_worker, world_size,
+                       lambda r: (r, fn, world_size, tmp, collective_timeout_s, parent, args))
+        try:
+            _wait_all(procs, stop_at_first_failure=False, deadline=start + deadline_s)
+            hung = [p.is_alive() for p in procs]
+        finally:
+            _end(procs, grace_s=0)
         outcomes = []
         for rank, p in enumerate(procs):
-            p.join(max(0.0, deadline_s - (time.monotonic() - start)))
-            hung = p.is_alive()
-            if hung:
-                p.kill()
-                p.join()
             result, seconds = None, time.monotonic() - start
             path = os.path.join(tmp, f"result_{rank}.pkl")
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     result, seconds = pickle.load(f)
-            outcomes.append(ProcessOutcome(rank, None if hung else p.exitcode, result, seconds))
+            outcomes.append(ProcessOutcome(rank, None if hung[rank] else p.exitcode, result, seconds))
         return outcomes

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
-from .commit import checkpoint_entries_of
+from .commit import OVERWRITE_HINT, checkpoint_entries_of
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
 
@@ -302,7 +302,7 @@ class RemoteSave:
         before = _read_pointer(loc)
         if self.overwrite is False and before is not None:
             raise CheckpointExistsError(f"another save committed a checkpoint at {self.url} while this one ran; "
-                                        f"this save was not committed (pass overwrite=True to replace)")
+                                        f"this save was not committed ({OVERWRITE_HINT})")
         content = json.loads(config_bytes(config))
         content[POINTER_FIELD] = self.save_name
         with _storage_errors(self.url, f"writing {CONFIG_FNAME} (the commit)"):
@@ -383,7 +383,7 @@ def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Opti
     if pointer is not None:
         if overwrite is False:
             raise CheckpointExistsError(f"{url} already holds a committed checkpoint ({CONFIG_FNAME} exists); save "
-                                        f"to a new URL, or pass overwrite=True (or leave it None) to replace it")
+                                        f"to a new URL, or replace it: {OVERWRITE_HINT}")
         if overwrite is None:
             logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits", url)
     with _storage_errors(url, "listing objects"):

@@ -37,6 +37,7 @@ import torch.multiprocessing as torch_mp
 
 from ..collectives import DistWrapper
 from ..core import CheckpointingException
+from ..child_process import detach_from_interrupts
 from .shared_arena import JobPickler, forget_arenas, live_arena_ids
 
 logger = logging.getLogger(__name__)
@@ -195,16 +196,6 @@ class TemporalAsyncCaller(AsyncCaller):
         return True
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (no orphaned writer holding files)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - other systems: the parent check in the loop remains
-        pass
-
-
 WRITER_NICE = 19  # background writers yield the CPU to the training loop when both want it
 
 
@@ -225,7 +216,7 @@ def _background_write(request: AsyncRequest) -> None:
 def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
     """The persistent writer process: run jobs until told to stop (or the training process is
     gone); report every outcome."""
-    _die_with_parent()
+    detach_from_interrupts(parent_pid)  # Ctrl-C is the training process's to handle
     _yield_cpu_to_training()
     while True:
         try:

@@ -1,0 +1,7 @@
+"""``python -m dist_ckpt ...`` is the ``dist-ckpt`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
