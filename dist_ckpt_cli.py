@@ -1,19 +1,27 @@
 """The ``dist-ckpt`` console script's entry point, outside the package on purpose.
 
-Importing ``dist_ckpt`` imports torch, which takes seconds; a Ctrl-C in that window would
-otherwise end in a KeyboardInterrupt traceback from deep inside torch's import, before
-``dist_ckpt.cli.main`` (which handles interrupts) exists. Here the import itself is guarded.
+Importing ``dist_ckpt`` imports torch, which takes seconds. A KeyboardInterrupt raised in the
+middle of that import either prints a traceback from deep inside torch or, worse, is swallowed
+by an import hook and leaves torch half-initialised (the command then fails later with an
+unrelated error). So during the import a Ctrl-C is only noted; once the import is complete,
+the command ends with "interrupted" and exit code 130 instead of starting.
 """
 
+import signal
 import sys
+from typing import List
 
 __all__ = ["main"]
 
 
 def main() -> int:
+    received: List[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         from dist_ckpt.cli import main as run_command
-    except KeyboardInterrupt:
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
         print("dist-ckpt: interrupted", file=sys.stderr)
         return 130
     return run_command()

@@ -34,11 +34,26 @@ class ValidationReport:
     problems: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     checksums_verified: int = 0
-    files_checked: int = 0
+    files_checked: int = 0  # files whose checksums were verified
+    tensors_checked: int = 0  # tensors whose stored chunks were checked for coverage and bounds
+    data_files: int = 0  # files of the checkpoint the structure check measured against
+    has_manifest: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def summary(self) -> str:
+        """One line: the verdict and what was actually checked (never "0 checksums in 0 files"
+        without saying why)."""
+        verdict = "OK" if self.ok else "INVALID"
+        structure = (f"structure and coverage of {self.tensors_checked} tensors checked: stored byte ranges and "
+                     f"chunk files against the sizes of {self.data_files} files")
+        if self.has_manifest:
+            checked = f"{self.checksums_verified} checksums verified in {self.files_checked} files; {structure}"
+        else:
+            checked = f"{structure}; no checksums (no {MANIFEST_FNAME}: a Megatron-Core or older checkpoint)"
+        return f"{self.directory}: {verdict} ({checked}; {len(self.problems)} problems)"
 
 
 def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
@@ -69,8 +84,9 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
             except CheckpointingException as e:
                 report.problems.append(str(e))
         report.problems.extend(sharded.check_structure(directory))
-    if manifest is None:
-        report.warnings.append(f"no {MANIFEST_FNAME}: checksums cannot be verified (a Megatron-Core or older checkpoint)")
+        report.tensors_checked, report.data_files = _structure_extent(directory, sharded)
+    report.has_manifest = manifest is not None
+    if manifest is None:  # summary() says that no checksums could be verified, and why
         return report
     with phase("validate: checksums"):
         _verify_checksums(directory, manifest, report, progress)
@@ -105,6 +121,22 @@ def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationRep
                     )
                 else:
                     report.checksums_verified += 1
+
+
+def _structure_extent(directory: Path, sharded) -> "tuple[int, int]":
+    """How many tensors the structure check covered, and how many files hold the checkpoint's data."""
+    from .commit import checkpoint_entries
+    from .core import CONFIG_FNAME
+
+    try:
+        tensors = len(sharded.load_tensors_metadata(directory))
+    except Exception:  # noqa: BLE001 - already reported by check_structure
+        tensors = 0
+    files = 0
+    for entry in checkpoint_entries(directory) - {CONFIG_FNAME, MANIFEST_FNAME}:
+        path = directory / entry
+        files += sum(1 for p in path.rglob("*") if p.is_file()) if path.is_dir() else int(path.is_file())
+    return tensors, files
 
 
 def _load_objects(directory: Path, sharded, common) -> None:

@@ -208,8 +208,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"warning: {warning}")
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
-        print(f"{args.directory}: {'OK' if report.ok else 'INVALID'} ({report.checksums_verified} checksums "
-              f"verified in {report.files_checked} files, {len(report.problems)} problems)")
+        print(report.summary())
         return 0 if report.ok else 1
     elif args.command == "clean":
         from pathlib import Path

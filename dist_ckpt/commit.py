@@ -44,7 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Set, Union
 
-from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, config_bytes, save_config
+from .interrupts import interrupts_deferred
+from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointNotFoundError, config_bytes, \
+    save_config
 
 PathLike = Union[str, os.PathLike]
 
@@ -65,7 +67,7 @@ __all__ = [
     "checkpoint_entries",
     "checkpoint_entries_of",
     "link_checkpoint_entries",
-    "committed_checkpoints_inside",
+    "leftovers_beside",
     "OVERWRITE_HINT",
     "clean",
     "recover",
@@ -128,6 +130,11 @@ def is_dist_ckpt_leftover(path: Path) -> bool:
     """A staging or old directory (or a lock file) that dist_ckpt leaves behind."""
     name = path.name
     return name.startswith(".") and any(m in name for m in (STAGING_MARK, OLD_MARK, LOCK_MARK))
+
+
+def leftovers_beside(target: Path) -> List[Path]:
+    """The staging and moved-aside directories interrupted saves of ``target`` left beside it."""
+    return _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK)
 
 
 def _leftovers_of(target: Path, mark: str) -> List[Path]:
@@ -254,14 +261,6 @@ def checkpoint_entries(directory: Path) -> Set[str]:
     return checkpoint_entries_of(files, manifest_files)
 
 
-def committed_checkpoints_inside(directory: Path) -> List[Path]:
-    """Subdirectories of ``directory`` that hold committed checkpoints (a typo'd save target)."""
-    try:
-        return sorted(p for p in Path(directory).iterdir() if p.is_dir() and _is_committed(p))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 _LINK_UNSUPPORTED = (errno.EPERM, errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS)
 
 
@@ -334,6 +333,11 @@ def _move_back_foreign_entries(old: Path, target: Path, keep_out: Set[str], old_
 def _dispose_leftover(leftover: Path, target: Path) -> None:
     """Delete what an interrupted save left, after moving any file of another tool in it to the
     target (nothing that is not ours is ever deleted)."""
+    with interrupts_deferred():  # half-moved foreign files must not be left to a cleanup
+        _dispose(leftover, target)
+
+
+def _dispose(leftover: Path, target: Path) -> None:
     ours = checkpoint_entries(leftover)
     foreign = [e for e in os.listdir(leftover) if e not in ours] if leftover.is_dir() else []
     if foreign:
@@ -369,8 +373,15 @@ def clean(path: Path) -> List[Path]:
     """Remove what interrupted saves left beside ``path`` (a checkpoint, existing or not) and,
     if ``path`` is a directory, beside every checkpoint in it. Leftovers whose save is still
     running (its lock is held) are kept; files of other tools in them go to the target first.
-    Returns what was removed."""
+    Returns what was removed; raises ``CheckpointNotFoundError`` for a path that is not there
+    and has no leftovers (a typo should not look like a clean directory)."""
     path = Path(os.path.abspath(path))
+    if not os.path.lexists(path) and not leftovers_beside(path):
+        raise CheckpointNotFoundError(f"{path} does not exist, and no interrupted save of it left anything beside it: "
+                                      f"nothing to clean (check the path)")
+    if os.path.lexists(path) and not path.is_dir():
+        raise CheckpointNotFoundError(f"{path} is not a directory; give a checkpoint directory or a directory of "
+                                      f"checkpoints")
     targets = [path]
     if path.is_dir() and not _is_committed(path):
         names = {p.name.split(STAGING_MARK)[0].split(OLD_MARK)[0].split(LOCK_MARK)[0][1:]
@@ -407,7 +418,12 @@ class StagedSave:
         return self.staging.name.rsplit("-", 1)[-1]
 
     def commit(self) -> None:
-        """Coordinator, after metadata.json is durable in the staging directory (module doc)."""
+        """Coordinator, after metadata.json is durable in the staging directory (module doc).
+        A Ctrl-C during it takes effect once the commit is whole (``interrupts_deferred``)."""
+        with interrupts_deferred():
+            self._commit()
+
+    def _commit(self) -> None:
         fsync_directory(self.staging)
         try:
             os.rename(self.staging, self.target)  # onto nothing or an empty directory: atomic
@@ -461,15 +477,17 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
     target with a warning, True replaces it silently, False refuses. A target that holds other
     committed checkpoints (a parent directory given by mistake) is always refused.
     """
+    from .locations import checkpoints_inside  # the rule over directory trees; it uses this module
+
     target = Path(os.path.abspath(target))
     if target.exists() and not target.is_dir():
-        raise CheckpointExistsError(f"{target} exists and is not a directory")
-    inside = committed_checkpoints_inside(target)
+        raise CheckpointExistsError(f"{target} exists and is not a directory; a checkpoint is a directory")
+    inside = checkpoints_inside(target) if target.is_dir() else []
     if inside:
-        names = ", ".join(p.name for p in inside[:5]) + (", ..." if len(inside) > 5 else "")
+        names = ", ".join(inside[:5]) + (", ..." if len(inside) > 5 else "")
         raise CheckpointExistsError(
-            f"{target} holds other checkpoints ({names}); a checkpoint directory cannot contain checkpoints - "
-            f"save to a new directory such as {target / 'iter_0000001'}"
+            f"{target} holds other checkpoints ({names}); nothing was written. A checkpoint directory cannot "
+            f"contain checkpoints - save to a new directory such as {target / 'iter_0000001'}"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     lock = SaveLock(target)

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, cast
 import multiprocessing
 import torch.distributed as dist
 
-from .child_process import detach_from_interrupts
+from .interrupts import detach_from_interrupts
 
 __all__ = ["run_distributed", "run_processes", "ProcessOutcome", "RankFailedError", "COLLECTIVE_TIMEOUT_S", "GRACE_S"]
 

@@ -344,8 +344,29 @@ class ShardedTensor(ShardedBase):
         flattened_range: None = None,
         **init_kwargs: Any,
     ) -> "ShardedTensor":
-        """Build from ``(axis, rank_offset, fragments)`` triples: along global ``axis`` the
-        tensor is cut into ``fragments`` equal chunks and ``data`` is chunk ``rank_offset``."""
+        """Describe ``data`` as one rank's piece of the global tensor ``key``.
+
+        Each ``(axis, rank_offset, fragments)`` triple says: along global ``axis`` the tensor
+        is cut into ``fragments`` equal chunks and ``data`` is chunk ``rank_offset``. An axis
+        without a triple is not split: ``data`` spans it whole. So **no triple at all means
+        ``data`` is the whole tensor** (a replicated or single-process tensor)::
+
+            ShardedTensor.from_rank_offsets("final_norm.weight", weight, replica_id=tp_rank)  # whole, replicated
+            ShardedTensor.from_rank_offsets("qkv.weight", shard, (0, tp_rank, tp_size))  # rows split over TP
+            ShardedTensor.from_rank_offsets("proj.weight", shard, (1, tp_rank, tp_size))  # columns split
+
+        Args:
+            key: the global tensor's name in the checkpoint (the same on every rank holding a piece).
+            data: this rank's piece.
+            rank_offsets: ``(axis, rank_offset, fragments)`` triples, at most one per axis.
+            replica_id: 0 for the copy that is written; anything else marks a replica of a piece
+                another rank writes (data-parallel copies): it is loaded but not saved.
+            prepend_axis_num: global axes before ``data``'s own (e.g. 1 for a layer of a
+                stacked ``(layers, ...)`` tensor, with a triple ``(0, layer, layers)``).
+
+        Raises:
+            ShardingError: invalid triples (axis out of range, offset >= fragments, an axis twice).
+        """
         if flattened_range is not None:
             raise ShardingError(
                 f"'{key}': from_rank_offsets does not take flattened_range; use from_rank_offsets_flat"

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
 from .commit import OVERWRITE_HINT, checkpoint_entries_of
+from .interrupts import interrupts_deferred
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
 
@@ -283,6 +284,7 @@ class RemoteSave:
     save_name: str
     storage_options: Dict[str, Any]
     overwrite: Optional[bool] = None
+    committed: bool = False  # the pointer names this save: its objects are the checkpoint now
 
     @property
     def scratch(self) -> Path:
@@ -305,13 +307,18 @@ class RemoteSave:
                                         f"this save was not committed ({OVERWRITE_HINT})")
         content = json.loads(config_bytes(config))
         content[POINTER_FIELD] = self.save_name
-        with _storage_errors(self.url, f"writing {CONFIG_FNAME} (the commit)"):
-            loc.fs.pipe_file(loc.child(CONFIG_FNAME), json.dumps(content).encode())
+        with interrupts_deferred():  # a Ctrl-C must not send abort() after the PUT
+            with _storage_errors(self.url, f"writing {CONFIG_FNAME} (the commit)"):
+                loc.fs.pipe_file(loc.child(CONFIG_FNAME), json.dumps(content).encode())
+            self.committed = True
         _remove_replaced(loc, keep=self.save_name)
 
     def abort(self) -> None:
-        """Coordinator: remove what this save uploaded (best effort; ``clean_url`` later)."""
+        """Coordinator: remove what this save uploaded (best effort; ``clean_url`` later), unless
+        it was committed (a failure in the removal of the replaced objects comes after that)."""
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.committed:
+            return
         try:
             loc = self.location()
             loc.fs.rm(loc.child(self.save_name), recursive=True)

@@ -19,6 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Callable, List, Optional, Set, Tuple, TypeVar, Union, cast
 
+import torch
+
 from .collectives import DistWrapper
 from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
 from .object_store import RemoteSave, begin_remote_save, files_owned, is_url, localize, scratch_listing
@@ -234,6 +236,13 @@ class SaveTransaction:
             self.common_state_dict[CONTENT_METADATA_KEY] = self.content_metadata
         if self.validate_access_integrity and dist.world_size > 1:
             compare_common_state_dicts(dist, self.common_state_dict, self.preprocess_common)
+        if dist.rank == 0 and not any(True for _ in nested_values(self.sharded_part)):
+            tensors = sum(isinstance(v, torch.Tensor) for v in nested_values(self.common_state_dict))
+            logger.warning(
+                "%s: the state dict holds no ShardedTensor or ShardedObject, so all of it (%d tensor(s)) goes to "
+                "common.pt: written by rank 0 alone (other ranks' values are not saved) and loaded whole, without "
+                "resharding. Wrap tensors in ShardedTensor.from_rank_offsets(key, tensor, ...) to shard them",
+                self.url or self.target, tensors)
 
     def stage(self) -> None:
         """Steps 1-2 in one collective: local metadata and config everywhere, the sharding check
@@ -365,16 +374,49 @@ def load(
     storage_options: Optional[dict] = None,
     progress: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
-    """Load into the layout ``sharded_state_dict`` describes (collective).
+    """Load the checkpoint into the layout ``sharded_state_dict`` describes (collective: every
+    rank calls it, each with its own request; the layout may differ from the one saved).
 
-    ShardedTensors with data are filled in place; those without get CPU tensors. Returns the
-    common state dict merged with the loaded tensors, objects and nonpersistent values; with
-    ``strict`` = RETURN_UNEXPECTED / RETURN_ALL also (missing keys, unexpected keys).
-    Every byte read is checked against the checkpoint's manifest unless ``verify_checksums``
-    is False (checkpoints without a manifest load unchecked, as logged).
-    A URL ``checkpoint_dir`` (with ``storage_options`` for fsspec) is copied once per machine
-    into a local cache first (``object_store``). ``progress``: on rank 0 and a terminal, show
-    the load's phases as they run (tqdm).
+    Args:
+        sharded_state_dict: the request, usually the model's ``sharded_state_dict()``: the
+            ShardedTensors say which piece of which global tensor this rank wants. A
+            ShardedTensor with data is **filled in place** (its tensor object is the one
+            returned, so the model's parameters receive the values); one with ``data=None`` gets
+            a new CPU tensor. ShardedObjects, factories and ``LocalNonpersistentObject`` values
+            are resolved too.
+        checkpoint_dir: a checkpoint directory (dist_ckpt, Megatron-Core torch_dist or zarr of
+            any version, plain PyTorch DCP, Hugging Face safetensors) or a URL.
+        sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
+            default: what the checkpoint's ``metadata.json`` names.
+        validate_access_integrity: check, with a collective, that the ranks' requests together
+            cover every requested tensor whole and agree on shapes and dtypes (as Megatron-Core
+            does). Pass False to read only part of a tensor (e.g. one process reading a slice).
+        strict: what to do with keys that do not match (``StrictHandling``): "unexpected" keys
+            are requested but not in the checkpoint, "missing" keys are in the checkpoint but
+            requested by no rank. The default (ASSUME_OK_UNEXPECTED) does not check.
+        verify_checksums: check every byte read against the checkpoint's manifest
+            (checkpoints without one, e.g. Megatron-Core's, load unchecked, as logged).
+        storage_options: for a URL: fsspec options (endpoint, credentials). The checkpoint is
+            copied once per machine into a local cache first (``object_store``).
+        progress: on rank 0 and a terminal, show the load's phases as they run (tqdm).
+
+    Returns:
+        The state dict: the checkpoint's **common state** (plain values saved by rank 0:
+        iteration, args, ...) **merged with** the request's structure, every ShardedTensor
+        replaced by its loaded tensor and every ShardedObject by its value. With ``strict``
+        RETURN_UNEXPECTED / RETURN_ALL: ``(state_dict, missing_keys, unexpected_keys)``.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``checkpoint_dir`` (the message says what is there).
+        CorruptCheckpointError: a file is missing, truncated or fails its checksum.
+        KeyMismatchError: a requested key is not in the checkpoint (strict RAISE_* modes, and
+            always for ShardedTensors the checkpoint does not have).
+        MismatchError / ShardingError: the request does not fit the stored tensor (shape, dtype)
+            or the ranks' requests are inconsistent or incomplete (``validate_access_integrity``).
+        UnsafePickleError: the common state holds objects the safe unpickler does not allow
+            (see ``add_safe_globals``).
+        StorageError: a URL could not be read.
+        All are ``CheckpointingException``s, raised identically on every rank.
     """
     with verification(verify_checksums), gc_paused(), progress_display(progress, "loading", 3, DistWrapper().rank):
         return _load(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,

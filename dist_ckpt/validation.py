@@ -29,7 +29,8 @@ from .core import (
     ShardingError,
     StrategyCompatibilityError,
 )
-from .commit import is_dist_ckpt_leftover, missing_target_hint
+from .commit import is_dist_ckpt_leftover
+from .locations import why_not_a_checkpoint
 from .dict_utils import extract_matching_values, nested_values
 from .formats import detect_checkpoint_config
 from .geometry import find_overlap
@@ -60,18 +61,28 @@ GlobalMetadata = List[LocalMetadata]
 class StrictHandling(Enum):
     """What ``load`` does with key mismatches between the request and the checkpoint.
 
-    ``*_UNEXPECTED`` modes look only at keys this rank requests that the checkpoint lacks;
-    ``*_ALL`` modes also find checkpoint keys no rank requests (one metadata exchange).
+    The words are Megatron-Core's, seen from the checkpoint - **the reverse of torch's
+    ``Module.load_state_dict``**, which speaks from the model:
+
+    - **unexpected** keys: in the request (the model's sharded state dict) but not in the
+      checkpoint. torch calls these *missing_keys* (the model expects them, the file lacks them).
+    - **missing** keys: in the checkpoint but requested by no rank. torch calls these
+      *unexpected_keys* (the file has them, the model does not want them).
+
+    ``*_UNEXPECTED`` modes look only at the unexpected keys of this rank (no communication);
+    ``*_ALL`` modes also find missing keys, which needs every rank's request (one metadata
+    exchange, which ``validate_access_integrity=True`` does anyway, so ``*_ALL`` is free then).
+    Unexpected keys are dropped from the request before reading in every mode but the first.
     """
 
-    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"  # no check; a missing key fails in the read
-    LOG_UNEXPECTED = "log_unexpected"
-    LOG_ALL = "log_all"
-    RAISE_UNEXPECTED = "raise_unexpected"
-    RAISE_ALL = "raise_all"
-    RETURN_UNEXPECTED = "return_unexpected"  # load returns (state_dict, missing, unexpected)
-    RETURN_ALL = "return_all"
-    IGNORE_ALL = "ignore_all"
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"  # the default: no check; an absent key fails in the read
+    LOG_UNEXPECTED = "log_unexpected"  # log unexpected keys and skip them
+    LOG_ALL = "log_all"  # log unexpected and missing keys
+    RAISE_UNEXPECTED = "raise_unexpected"  # KeyMismatchError for unexpected keys (like torch's strict=True, one way)
+    RAISE_ALL = "raise_all"  # KeyMismatchError for either kind (torch's strict=True)
+    RETURN_UNEXPECTED = "return_unexpected"  # load returns (state_dict, missing=set(), unexpected)
+    RETURN_ALL = "return_all"  # load returns (state_dict, missing, unexpected) (torch's strict=False result)
+    IGNORE_ALL = "ignore_all"  # skip unexpected keys silently
 
     @staticmethod
     def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
@@ -120,12 +131,12 @@ def validate_sharding_integrity(global_metadata: GlobalMetadata, loading: bool =
     if clash:
         raise ShardingError(f"Keys used for both a ShardedTensor and a ShardedObject: {clash}")
     for key, shards in tensors.items():
-        _validate_tensor_key(key, shards)
+        _validate_tensor_key(key, shards, len(global_metadata) if loading else 0)
     for key, object_shards in objects.items():
         _validate_object_key(key, object_shards, require_all=not loading)
 
 
-def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]]) -> None:
+def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]], loading_ranks: int = 0) -> None:
     rank0, first = shards[0]
     for rank, sh in shards[1:]:
         if sh.dtype != first.dtype:
@@ -144,9 +155,15 @@ def _validate_tensor_key(key: str, shards: List[Tuple[int, ShardedTensor]]) -> N
     covered = sum(sh.piece().numel for _, sh in main)
     _check_no_overlap(key, main)
     if covered != total:
+        hint = ""
+        if loading_ranks:
+            who = "this process's request covers" if loading_ranks == 1 else f"the {loading_ranks} ranks' requests cover"
+            hint = (f". A load checks that {who} every tensor whole (validate_access_integrity=True, as in "
+                    f"Megatron-Core); to read only part of a tensor - one rank's slice of another layout - pass "
+                    f"validate_access_integrity=False")
         raise ShardingError(
             f"'{key}': the main replicas cover {covered} of {total} elements of global shape "
-            f"{first.global_shape}; some part is held by no rank with replica_id 0"
+            f"{first.global_shape}; some part is held by no rank with replica_id 0{hint}"
         )
 
 
@@ -321,17 +338,9 @@ def verify_checkpoint_and_load_strategy(
             f"{checkpoint_dir} is what an interrupted save left behind, not a checkpoint; "
             f"remove it with `dist-ckpt clean`"
         )
-    if not checkpoint_dir.is_dir():
-        raise CheckpointNotFoundError(
-            f"Checkpoint directory {checkpoint_dir} does not exist{missing_target_hint(checkpoint_dir)}"
-        )
-    config = detect_checkpoint_config(checkpoint_dir)
+    config = detect_checkpoint_config(checkpoint_dir) if checkpoint_dir.is_dir() else None
     if config is None:
-        raise CheckpointNotFoundError(
-            f"{checkpoint_dir} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not "
-            f"finish, or it is not a dist_ckpt / Megatron-Core distributed checkpoint, a PyTorch DCP "
-            f"checkpoint (.metadata) or Hugging Face safetensors"
-        )
+        raise CheckpointNotFoundError(why_not_a_checkpoint(checkpoint_dir))
     if (checkpoint_dir / CONFIG_FNAME).is_file():
         verify_bytes(checkpoint_dir, CONFIG_FNAME, 0, (checkpoint_dir / CONFIG_FNAME).read_bytes())
     sharded = resolve_strategy(

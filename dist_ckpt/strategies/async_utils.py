@@ -37,7 +37,7 @@ import torch.multiprocessing as torch_mp
 
 from ..collectives import DistWrapper
 from ..core import CheckpointingException
-from ..child_process import detach_from_interrupts
+from ..interrupts import detach_from_interrupts
 from .shared_arena import JobPickler, forget_arenas, live_arena_ids
 
 logger = logging.getLogger(__name__)
