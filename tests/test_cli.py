@@ -1,5 +1,6 @@
 """The dist-ckpt command: the demo really saves, reshards and verifies; inspect lists."""
 
+import os
 import subprocess
 import sys
 
@@ -10,11 +11,13 @@ from conftest import FIXTURES
 
 @pytest.mark.slow
 def test_demo_saves_with_two_ranks_and_loads_resharded_with_three(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "demo", "--dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
+    """README's first command: without --dir, in a temporary directory it removes."""
+    out = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "demo"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "saved by 2 ranks" in out.stdout and "loaded by 3 ranks" in out.stdout and out.stdout.strip().endswith("OK")
-    assert (tmp_path / "ckpt" / "metadata.json").is_file()
+    assert "the temporary directory is removed" in out.stdout
+    assert os.listdir(tmp_path) == []
 
 
 def test_inspect_and_errors(tmp_path, capsys):
