@@ -43,9 +43,10 @@ class ValidationReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def summary(self) -> str:
+    def summary(self, name: Optional[str] = None) -> str:
         """One line: the verdict and what was actually checked (never "0 checksums in 0 files"
-        without saying why)."""
+        without saying why). ``name``: how to call the checkpoint (e.g. the URL validated
+        through its local copy ``directory``)."""
         verdict = "OK" if self.ok else "INVALID"
         structure = (f"structure and coverage of {self.tensors_checked} tensors checked: stored byte ranges and "
                      f"chunk files against the sizes of {self.data_files} files")
@@ -53,7 +54,7 @@ class ValidationReport:
             checked = f"{self.checksums_verified} checksums verified in {self.files_checked} files; {structure}"
         else:
             checked = f"{structure}; no checksums (no {MANIFEST_FNAME}: a Megatron-Core or older checkpoint)"
-        return f"{self.directory}: {verdict} ({checked}; {len(self.problems)} problems)"
+        return f"{name or self.directory}: {verdict} ({checked}; {len(self.problems)} problems)"
 
 
 def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,

@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"warning: {warning}")
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
-        print(report.summary())
+        print(report.summary(args.directory))
         return 0 if report.ok else 1
     elif args.command == "clean":
         from pathlib import Path

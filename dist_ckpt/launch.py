@@ -83,28 +83,29 @@ def _worker(rank: int, fn: Callable, world_size: int, tmp: str, parent_pid: int,
     dist.destroy_process_group()
 
 
-def _start(target: Callable, world_size: int, make_args: Callable[[int], tuple]) -> List[BaseProcess]:
-    """Start the ranks with SIGINT blocked, so a Ctrl-C while they boot is not a traceback in
-    each of them but one pending signal in the caller, delivered when the mask is restored."""
+def _processes(target: Callable, world_size: int, make_args: Callable[[int], tuple]) -> List[BaseProcess]:
     ctx = multiprocessing.get_context("spawn")
-    procs: List[BaseProcess] = [ctx.Process(target=target, args=make_args(r), name=f"dist_ckpt-rank-{r}")
-                                for r in range(world_size)]
+    return [ctx.Process(target=target, args=make_args(r), name=f"dist_ckpt-rank-{r}") for r in range(world_size)]
+
+
+def _start(procs: Sequence[BaseProcess]) -> None:
+    """Start the ranks with SIGINT blocked, so a Ctrl-C while they boot is not a traceback in
+    each of them but one pending signal in the caller, delivered when the mask is restored -
+    which may be as this function returns: callers start inside the ``try`` whose ``finally``
+    ends the ranks."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if in_main_thread else None
     try:
         for p in procs:
             p.start()
-    except BaseException:
-        _end(procs, grace_s=0)
-        raise
     finally:
         if old_mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    return procs
 
 
 def _end(procs: Sequence[BaseProcess], grace_s: float = GRACE_S) -> None:
-    """Every rank still running gets SIGTERM, then SIGKILL after ``grace_s``; all are reaped."""
+    """Every rank still running gets SIGTERM, then SIGKILL after ``grace_s``; all are reaped
+    (ranks never started are skipped)."""
     alive = [p for p in procs if p.pid is not None and p.is_alive()]
     for p in alive:
         p.terminate()
@@ -164,8 +165,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> List
     """
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
         parent = os.getpid()
-        procs = _start(_worker, world_size, lambda r: (r, fn, world_size, tmp, parent, args))
+        procs = _processes(_worker, world_size, lambda r: (r, fn, world_size, tmp, parent, args))
         try:
+            _start(procs)
             _wait_all(procs, stop_at_first_failure=True, deadline=None)
         finally:
             _end(procs)
@@ -211,9 +213,10 @@ def run_processes(fn: Callable[..., Any], world_size: int, *args: Any, collectiv
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_pg_") as tmp:
         parent = os.getpid()
         start = time.monotonic()
-        procs = _start(_outcome_worker, world_size,
-                       lambda r: (r, fn, world_size, tmp, collective_timeout_s, parent, args))
+        procs = _processes(_outcome_worker, world_size,
+                           lambda r: (r, fn, world_size, tmp, collective_timeout_s, parent, args))
         try:
+            _start(procs)
             _wait_all(procs, stop_at_first_failure=False, deadline=start + deadline_s)
             hung = [p.is_alive() for p in procs]
         finally:

@@ -21,6 +21,7 @@ from small_fs import small_tmpfs
 pytestmark = pytest.mark.slow
 
 PG_TIMEOUT = 20  # seconds: a collective with a dead or stuck peer fails within this
+STUCK_PG_TIMEOUT = 8  # the stuck-rank case waits for the timeout itself: a shorter one, same behaviour
 DEADLINE = 90  # a rank still running after this counts as a hang
 
 
@@ -106,7 +107,7 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
             def write_dcp_files(*a, **k):
                 import time
 
-                time.sleep(PG_TIMEOUT * 3)  # alive but never arrives at the next collective
+                time.sleep(STUCK_PG_TIMEOUT * 3)  # alive but never arrives at the next collective
                 return original(*a, **k)
 
             dcp_io.write_dcp_files = write_dcp_files
@@ -147,7 +148,8 @@ def test_interrupted_overwrite_leaves_old_or_new_checkpoint(tmp_path, fault, fau
     assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
     foreign = _add_foreign_files(tmp_path / "ckpt")
     outcomes = run_processes(_save_with_fault, 2, ckpt, fault, fault_rank,
-                             collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+                             collective_timeout_s=STUCK_PG_TIMEOUT if fault == "stuck" else PG_TIMEOUT,
+                             deadline_s=DEADLINE)
     assert all(o.exitcode is not None for o in outcomes), f"a rank hung: {outcomes}"
     survivors = [o for o in outcomes if o.exitcode == 0]
     killed = [o for o in outcomes if o.exitcode == -signal.SIGKILL]

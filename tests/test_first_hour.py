@@ -326,6 +326,29 @@ def test_broken_pipe_and_the_demo_run_twice(tmp_path: Path, runs: Path) -> None:
     assert sorted(os.listdir(tmp_path / "keep")) == ["ckpt"]
     loaded = dist_ckpt.load_plain_tensors(tmp_path / "keep" / "ckpt")
     assert tuple(loaded["layers.qkv.weight"].shape) == (2, 48, 16)
+    # a rank's error reaches the command as one line: DIR/ckpt holding checkpoints is refused by rank 0
+    shutil.copytree(runs, tmp_path / "typo" / "ckpt")
+    out = _cli("demo", "--dir", "typo", cwd=tmp_path, timeout=300)
+    _one_line_error(out, 1, "holds other checkpoints (iter_100, iter_200)")
+
+
+def _fail_on_rank_1(rank: int, world: int, how: str) -> int:
+    if rank == 1 and how == "raise":
+        raise dist_ckpt.CheckpointExistsError("rank 1 refuses")
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+@pytest.mark.slow
+def test_run_distributed_raises_what_a_rank_raised() -> None:
+    from dist_ckpt.launch import RankFailedError, run_distributed
+
+    with pytest.raises(dist_ckpt.CheckpointExistsError, match="rank 1 refuses") as info:
+        run_distributed(_fail_on_rank_1, 2, "raise")
+    assert any("raised in rank 1 of 2" in note and "_fail_on_rank_1" in note for note in info.value.__notes__)
+    with pytest.raises(RankFailedError, match="rank 1 of 2 exited with code 3 without raising"):
+        run_distributed(_fail_on_rank_1, 2, "exit")
 
 
 # -- 4. messages that say what is true ---------------------------------------------------------
