@@ -13,8 +13,8 @@ interpreter then waits for them at exit), and it reports a rank's exception as t
   pickled; ``RankFailedError`` otherwise), with the rank's traceback as a note;
 - the ranks ignore SIGINT, so Ctrl-C in a terminal (sent to the whole process group) is
   handled once, by the caller: any exception in the caller - ``KeyboardInterrupt`` included,
-  or the ``SystemExit`` a SIGTERM handler raises - ends every rank (SIGTERM, then SIGKILL
-  after ``GRACE_S``) before it propagates;
+  or what a SIGTERM handler raises (the ``dist-ckpt`` command installs one) - ends every rank
+  (SIGTERM, then SIGKILL after ``GRACE_S``) before it propagates;
 - a rank dies with its parent (``PR_SET_PDEATHSIG``), so even a SIGKILLed caller leaves no
   process behind.
 """
