@@ -31,11 +31,9 @@ _PR_SET_PDEATHSIG = 1
 
 
 def detach_from_interrupts(parent_pid: Optional[int] = None) -> None:
-    """Ignore SIGINT (and unblock it, in case the parent started us with it blocked) and get
-    SIGKILL when the parent ends (Linux). ``parent_pid``: exit at once if the parent is already
-    gone (it may end between our start and the ``prctl``)."""
+    """Ignore SIGINT and get SIGKILL when the parent ends (Linux). ``parent_pid``: exit at once
+    if the parent is already gone (it may end between our start and the ``prctl``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the parent's own cleanup is all there is

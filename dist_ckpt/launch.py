@@ -89,18 +89,18 @@ def _processes(target: Callable, world_size: int, make_args: Callable[[int], tup
 
 
 def _start(procs: Sequence[BaseProcess]) -> None:
-    """Start the ranks with SIGINT blocked, so a Ctrl-C while they boot is not a traceback in
-    each of them but one pending signal in the caller, delivered when the mask is restored -
-    which may be as this function returns: callers start inside the ``try`` whose ``finally``
-    ends the ranks."""
+    """Start the ranks with SIGINT ignored, a disposition they inherit through ``exec`` (a
+    blocked mask is not inherited by spawned processes): a Ctrl-C while a rank imports torch,
+    before its own ``detach_from_interrupts``, is then not a traceback in that rank. The caller
+    ignores Ctrl-C for the few milliseconds of the ``fork``/``exec`` calls."""
     in_main_thread = threading.current_thread() is threading.main_thread()
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if in_main_thread else None
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
         for p in procs:
             p.start()
     finally:
-        if old_mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _end(procs: Sequence[BaseProcess], grace_s: float = GRACE_S) -> None:
