@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so that cleanup (``finally``) runs."""
+    """SIGTERM, turned into an exception so that cleanup (``finally``) runs. A BaseException on
+    purpose, like KeyboardInterrupt: an ``except Exception`` in a strategy, a plugin or a
+    cleanup path must not swallow a termination and carry on; ``main`` catches it (exit 143)."""
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:

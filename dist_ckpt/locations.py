@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List
 
 from .core import CONFIG_FNAME
+from .formats import SAFETENSORS_INDEX_FNAME
 
 __all__ = ["TRACKER_FNAME", "SUBCHECKPOINT_NAMES", "checkpoints_inside", "why_not_a_checkpoint"]
 
@@ -24,7 +25,7 @@ TRACKER_FNAME = "latest_checkpointed_iteration.txt"
 SUBCHECKPOINT_NAMES = frozenset({"modelopt_state"})
 # Files that make a directory a checkpoint: ours and Megatron-Core's, plain PyTorch DCP,
 # Hugging Face safetensors (sharded and single-file).
-_CHECKPOINT_MARKERS = (CONFIG_FNAME, ".metadata", "model.safetensors.index.json", "model.safetensors")
+_CHECKPOINT_MARKERS = (CONFIG_FNAME, ".metadata", SAFETENSORS_INDEX_FNAME, "model.safetensors")
 _MAX_DEPTH = 2  # runs/iter_100 and runs/experiment/iter_100 are found below "runs"
 _MAX_DIRS = 10_000  # a bound on the walk of a huge unrelated tree given by mistake
 

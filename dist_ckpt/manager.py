@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
+from .locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
 from .collectives import DistWrapper
 from .commit import atomic_write_bytes, checkpoint_entries, fsync_directory
 from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
@@ -42,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError"]
 
-TRACKER_FNAME = "latest_checkpointed_iteration.txt"  # Megatron-LM's name
 RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 Step = Union[int, str]  # an iteration, or "release"

@@ -412,6 +412,31 @@ def test_partial_request_in_one_process_explains_validate_access_integrity(runs:
     assert torch.equal(loaded["w"], torch.full((2, 8), 1.0))
 
 
+def _partial_loads(rank: int, world: int, ckpt: str) -> dict:
+    from megatron_cpu import megatron_dist_checkpointing
+
+    outcomes = {}
+    for name, lib in (("megatron", megatron_dist_checkpointing()), ("dist_ckpt", dist_ckpt)):
+        for validate in (True, False):
+            half = {"w": lib.ShardedTensor.from_rank_offsets("w", torch.empty(2, 8), (0, 0, 2))}
+            try:
+                outcomes[(name, validate)] = lib.load(half, ckpt, validate_access_integrity=validate)["w"].sum().item()
+            except Exception as e:  # noqa: BLE001 - compared below
+                outcomes[(name, validate)] = type(e).__name__
+    return outcomes
+
+
+@pytest.mark.slow
+def test_partial_request_is_refused_or_read_as_megatron_core_does(runs: Path) -> None:
+    """Differential: one rank asking for half a tensor fails the access check in both libraries
+    (ours with the explanation) and loads in both with validate_access_integrity=False."""
+    from dist_ckpt.launch import run_distributed
+
+    (outcomes,) = run_distributed(_partial_loads, 1, str(runs / "iter_100"))
+    assert outcomes == {("megatron", True): "CheckpointingException", ("megatron", False): 16.0,
+                        ("dist_ckpt", True): "ShardingError", ("dist_ckpt", False): 16.0}
+
+
 def test_save_without_sharded_tensors_warns_that_all_goes_to_common_pt(tmp_path: Path, caplog) -> None:
     with caplog.at_level("WARNING"):
         dist_ckpt.save({"weight": torch.ones(3), "bias": torch.zeros(3), "step": 7}, tmp_path / "plain")
