@@ -188,17 +188,37 @@ def test_staging_buffers_reuse_and_budget():
     tensors = [torch.full((256,), float(i)) for i in range(4)]  # 1 KiB each
     pool = StagingBuffers(budget_bytes=2500)
     first = pool.stage(tensors)
-    assert [b is not None for b in first] == [True, True, False, False]  # 2 KiB fit, the rest is written directly
-    assert all(torch.equal(b, t) for b, t in zip(first[:2], tensors))
-    pool.release()
+    assert [b is not None for b in first.buffers] == [True, True, False, False]  # 2 KiB fit, the rest is direct
+    assert all(torch.equal(b, t) for b, t in zip(first.buffers[:2], tensors))
+    first.release()
+    first.release()  # twice (finalize and cleanup both release): harmless
     tensors[0].fill_(7)
     second = pool.stage(tensors)
-    assert second[0] is first[0] and second[1] is first[1] and pool.reused_bytes == 2048  # reused, not reallocated
-    assert torch.equal(second[0], tensors[0])
+    assert second.buffers[0] is first.buffers[0] and pool.reused_bytes == 2048  # reused, not reallocated
+    assert torch.equal(second.buffers[0], tensors[0])
     third = pool.stage(tensors)  # the second save's write is still running: fresh buffers
-    assert third[0] is not second[0] and pool.reused_bytes == 0
+    assert third.buffers[0] is not second.buffers[0] and pool.reused_bytes == 0 and pool.leased == 2
     with pytest.raises(ValueError):
         StagingBuffers(budget_bytes=-1)
+
+
+def test_staging_buffers_belong_to_one_save_until_it_releases():
+    """Issue 18.1: with saves overlapping, a released set goes to the next save, never a set an
+    unreleased save holds - whichever save finishes first (a shared in-use flag did not)."""
+    from dist_ckpt.strategies.staging import StagingBuffers
+
+    tensors = [torch.zeros(64)]
+    pool = StagingBuffers()
+    s1, s2 = pool.stage(tensors), pool.stage(tensors)
+    s1.release()
+    s3 = pool.stage(tensors)
+    assert s3.buffers[0] is s1.buffers[0]
+    s2.release()  # save 2 ends while save 3 still writes
+    s4 = pool.stage([torch.full((64,), 4.0)])
+    assert s4.buffers[0] is s2.buffers[0] and s4.buffers[0] is not s3.buffers[0]
+    assert torch.equal(s3.buffers[0], torch.zeros(64))  # save 3's copy untouched by save 4's staging
+    s3.release(), s4.release()
+    assert pool.leased == 0 and len(pool._idle) == 2  # two were in flight at once: two sets kept
 
 
 def _async_budget_saves(rank: int, world: int, root: str, writer: str) -> list:
@@ -213,7 +233,7 @@ def _async_budget_saves(rank: int, world: int, root: str, writer: str) -> list:
         for sh in state.values():  # training goes on at once: the checkpoint keeps the old values
             sh.data.fill_(float("nan"))
         queue.maybe_finalize_async_calls(blocking=True)
-        staged_ids.append([id(b) for b in strategy._staging._buffers if b is not None])
+        staged_ids.append([id(b) for b in strategy._staging._idle[-1].buffers if b is not None])
     queue.close()
     for i in range(3):
         _check(rank, world, f"{root}/ckpt{i}", shapes, salt=i)
@@ -254,23 +274,25 @@ def test_writer_process_maps_staging_arenas_once(monkeypatch):
         for step in range(3):
             for t in live:
                 t.add_(step)
-            staged = pool.stage(live)
+            lease = pool.stage(live)
+            staged = lease.buffers
             request = AsyncRequest(_sums, (staged,), [])
             caller.schedule_async_call(request)
             assert caller.is_current_async_call_done(request, blocking=True) and request.async_error is None
             results.append(request.async_result)
             assert len(passed) == 1  # one descriptor: the arena, at the first job
-            pool.release()
+            lease.release()
         assert results[2][0] == [float(t.double().sum()) for t in live]  # the last staging copy's values
         assert results[0][0] != results[1][0] != results[2][0]  # each job saw its own copy's values
         assert all(a == 0 for a in results[0][1])  # every view 64-byte aligned
 
-        pool_ids = {a.id for a in pool._arenas}
-        del pool, staged  # the arena is freed here; the next job tells the writer to forget it
+        pool_ids = {a.id for s in pool._idle for a in s.arenas}
+        del pool, staged, lease  # the arena is freed here; the next job tells the writer to forget it
         import gc
 
         gc.collect()
-        fresh = StagingBuffers(shared=True).stage(live)
+        fresh_lease = StagingBuffers(shared=True).stage(live)
+        fresh = fresh_lease.buffers
         request = AsyncRequest(_sums, (fresh,), [])
         caller.schedule_async_call(request)
         assert caller.is_current_async_call_done(request, blocking=True) and request.async_error is None
@@ -281,7 +303,8 @@ def test_writer_process_maps_staging_arenas_once(monkeypatch):
 
     # a job that refers to an arena the receiver was never sent is an error, not garbage
     arena_pool = StagingBuffers(shared=True)
-    views = arena_pool.stage(live)
+    arena_lease = arena_pool.stage(live)  # holds the arena
+    views = arena_lease.buffers
     known = set()
     JobPickler.dumps_job(views, known)  # the first job carries the arena...
     second = JobPickler.dumps_job(views, known)  # ...the second refers to it by id only

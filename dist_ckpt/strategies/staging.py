@@ -6,12 +6,17 @@ save costs more than copying into them (every new page is faulted in, and for th
 process they are shared memory), and holding a second copy of the whole state may not fit.
 So ``StagingBuffers``:
 
-* keeps the copies of one save for the next (same shapes and dtypes: a training run's saves
-  all look alike), unless that save's write is still running - then it allocates fresh ones;
-* stages tensors in order as long as the budget (bytes per rank) allows; the tensors beyond
-  it are written by the save call itself, straight from the live tensors (no copy at all),
-  before the call returns. The training loop then waits for the staging copy of what the
-  budget allows plus the direct write of the rest.
+* hands every save its own set of copies (a ``StagingLease``): the set belongs to that save
+  until its write has ended (``StagingLease.release``, at finalization or failure); only then
+  may a later save reuse it. Two saves in flight (``max_pending=2``, two requests on one
+  queue) hold two sets: a save never stages into buffers another save's writer still reads.
+  (A single "in use" flag cleared by whichever save finished first let a third save reuse
+  the buffers of a save still writing.)
+* keeps released sets for the next saves (same shapes and dtypes: a training run's saves all
+  look alike), as many as were ever in flight at once: that memory was needed anyway;
+* stages tensors in order as long as the budget (bytes per rank and save) allows; the tensors
+  beyond it are written by the save call itself, straight from the live tensors (no copy at
+  all), before the call returns.
 
 For a writer process the copies are views into one ``SharedArena`` per allocation, which the
 writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
@@ -21,17 +26,50 @@ per tensor handed over anew at every save.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
 from .shared_arena import SharedArena
 
-__all__ = ["StagingBuffers"]
+__all__ = ["StagingBuffers", "StagingLease"]
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass
+class _BufferSet:
+    """The copies of one save, and the shared arenas they are views of (kept alive with them)."""
+
+    buffers: List[Optional[torch.Tensor]] = field(default_factory=list)
+    arenas: List[SharedArena] = field(default_factory=list)
+
+
+class StagingLease:
+    """One save's staging copies (``buffers``, in the order of the staged tensors; None for a
+    tensor beyond the budget). They are this save's alone until ``release()``, which the save
+    calls once its write has ended; releasing twice is harmless."""
+
+    def __init__(self, pool: "StagingBuffers", buffer_set: _BufferSet) -> None:
+        self._pool: Optional[StagingBuffers] = pool
+        self._set = buffer_set
+
+    @property
+    def buffers(self) -> List[Optional[torch.Tensor]]:
+        return self._set.buffers
+
+    @property
+    def released(self) -> bool:
+        return self._pool is None
+
+    def release(self) -> None:
+        """The write that read these buffers is over (finalized or failed)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._give_back(self._set)
 
 
 class StagingBuffers:
@@ -45,19 +83,33 @@ class StagingBuffers:
             raise ValueError(f"the staging budget must be >= 0 bytes, got {budget_bytes}")
         self.budget_bytes = budget_bytes
         self.shared = shared
-        self._buffers: List[Optional[torch.Tensor]] = []
-        self._arenas: List[SharedArena] = []  # hold the arenas the buffers are views of
-        self._in_use = False
+        self._idle: List[_BufferSet] = []  # released sets, the most recently released last
+        self._leased = 0  # sets owned by saves whose writes have not ended
+        self._peak_leased = 0
         self._lock = threading.Lock()
         self.reused_bytes = 0  # of the last stage(): how much went into reused buffers
 
-    def stage(self, tensors: List[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-        """Copies of ``tensors`` in order while the budget lasts (first fit); None for a tensor
-        the caller must write itself before returning to the training loop."""
+    @property
+    def leased(self) -> int:
+        """How many saves hold staging copies now."""
+        return self._leased
+
+    def stage(self, tensors: List[torch.Tensor]) -> StagingLease:
+        """Copies of ``tensors`` in order while the budget lasts (first fit), in a set of buffers
+        no other unreleased lease holds; None for a tensor the caller must write itself before
+        returning to the training loop."""
         with self._lock:
-            reuse = not self._in_use
-            self._in_use = True
-        old = self._buffers if reuse else []
+            old = self._idle.pop() if self._idle else _BufferSet()
+            self._leased += 1
+            self._peak_leased = max(self._peak_leased, self._leased)
+        try:
+            return StagingLease(self, self._fill(old, tensors))
+        except BaseException:
+            with self._lock:
+                self._leased -= 1
+            raise
+
+    def _fill(self, old: _BufferSet, tensors: List[torch.Tensor]) -> _BufferSet:
         staged: List[Optional[torch.Tensor]] = []
         fresh: List[int] = []  # indices that need a new buffer
         used = 0
@@ -67,7 +119,7 @@ class StagingBuffers:
             if self.budget_bytes is not None and used + nbytes > self.budget_bytes:
                 staged.append(None)
                 continue
-            previous = old[i] if i < len(old) else None
+            previous = old.buffers[i] if i < len(old.buffers) else None
             if previous is not None and previous.shape == tensor.shape and previous.dtype == tensor.dtype:
                 staged.append(previous)
                 self.reused_bytes += nbytes
@@ -75,7 +127,7 @@ class StagingBuffers:
                 staged.append(None)
                 fresh.append(i)
             used += nbytes
-        arenas = self._arenas if reuse else []
+        arenas = list(old.arenas)
         if fresh:
             new = self._allocate([tensors[i] for i in fresh], arenas)
             for i, buffer in zip(fresh, new):
@@ -83,11 +135,8 @@ class StagingBuffers:
         for staged_buffer, tensor in zip(staged, tensors):
             if staged_buffer is not None:
                 staged_buffer.copy_(tensor)
-        if reuse:
-            self._buffers = staged  # what the next save may reuse once this one's write is done
-            live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
-            self._arenas = [a for a in arenas if a.storage.data_ptr() in live]
-        return staged
+        live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
+        return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live])
 
     def _allocate(self, likes: List[torch.Tensor], arenas: List[SharedArena]) -> List[torch.Tensor]:
         if not self.shared:
@@ -96,7 +145,8 @@ class StagingBuffers:
         arenas.append(arena)
         return arena.views
 
-    def release(self) -> None:
-        """The write that used the buffers is over (finalized or failed)."""
+    def _give_back(self, buffer_set: _BufferSet) -> None:
         with self._lock:
-            self._in_use = False
+            self._leased -= 1
+            self._idle.append(buffer_set)
+            del self._idle[:-self._peak_leased]  # keep as many sets as were ever in flight at once

@@ -51,7 +51,7 @@ from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict,
 from ..safe_unpickle import safe_torch_load
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
-from .staging import StagingBuffers
+from .staging import StagingBuffers, StagingLease
 from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .torch_dist_plan import (
     ReadTask,
@@ -207,35 +207,47 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         sources: Dict[MetadataIndex, torch.Tensor] = {}
         direct: List[WriteItem] = []  # written now, from the live tensors (beyond the staging budget)
+        leases: List[StagingLease] = []  # this save's staging copies, its own until its write ends
 
         def stage_tensors() -> None:
             live = [sh.require_data().detach() for sh in tensors]
-            staged = self._staging_buffers().stage(live) if stage else live
+            staged: List[Optional[torch.Tensor]] = list(live)
+            if stage:
+                leases.append(self._staging_buffers().stage(live))
+                staged = leases[0].buffers
             for item, copy_, data in zip(tensor_items, staged, live):
                 sources[item.index] = copy_ if copy_ is not None else data
                 if copy_ is None:
                     direct.append(item)
 
-        dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
         direct_written: List[Any] = [[], []]
-        if direct:
-            def write_direct() -> None:
-                job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", direct, {i.index: sources.pop(i.index) for i in direct},
-                                  {}, self.thread_count, self.zip_crc32, first_file=self.thread_count)
-                direct_written[:] = job()
 
-            dist.all_run(write_direct)
+        def write_direct() -> None:
+            if not direct:
+                return
+            job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", direct, {i.index: sources.pop(i.index) for i in direct},
+                              {}, self.thread_count, self.zip_crc32, first_file=self.thread_count)
+            direct_written[:] = job()
+
+        try:
+            dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
+            if not dist.all_reduce_min(0 if direct else 1):  # some rank writes beyond its budget now
+                dist.all_run(write_direct)
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
         written = {item.index for item in direct}
         background = [item for item in plan.items if item.index not in written]
         job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", background, sources, object_blobs, self.thread_count,
                           self.zip_crc32)
         request = AsyncRequest(job, (), [])
-        if stage:
-            request.add_cleanup_fn(self._staging_buffers().release)
+        for lease in leases:
+            request.add_cleanup_fn(lease.release)
 
         def finish_metadata() -> None:
-            if stage:
-                self._staging_buffers().release()
+            for lease in leases:
+                lease.release()  # the write has ended: a later save may stage into these buffers
             write_results, entries = request.async_result
             write_results, entries = write_results + direct_written[0], entries + direct_written[1]
             for e in entries:
