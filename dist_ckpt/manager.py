@@ -7,18 +7,28 @@ Layout, exactly Megatron-LM's: ``root/iter_{step:07d}/`` per checkpoint and
 Order of a save (``save`` starts it; with ``async_save`` the rest happens in a later
 ``maybe_finalize`` / ``wait`` / ``save``, on every rank together):
 
+0. the coordinator gives the save the root's next commit sequence number (``commit_order``):
+   "newest" means committed last, not highest step - a run resumed from 200 that saves 250 has
+   250 as its newest checkpoint, 300 of the abandoned branch is older;
 1. the checkpoint commits (``save``'s own atomic commit: ``metadata.json`` last);
-2. the coordinator replaces the tracker file atomically (write, fsync, rename): it never names a
-   checkpoint that has not committed;
-3. retention: committed checkpoints older than the newest committed one, neither among the
-   ``keep_last`` newest nor a multiple of ``keep_every``, lose the files dist_ckpt wrote
+2. the coordinator replaces the tracker file atomically (write, fsync, rename) with the step
+   just committed, also when it is lower than the one named before (Megatron-LM writes it
+   unconditionally too): it never names a checkpoint that has not committed;
+3. retention: committed checkpoints that are neither among the ``keep_last`` last committed,
+   nor a multiple of ``keep_every``, nor named by the tracker, nor pending, nor the one this run
+   resumed from while nothing newer of this run has committed, lose the files dist_ckpt wrote
    (``commit.checkpoint_entries``); a directory is removed only if nothing else is left in it.
 
 A save that fails (on any rank: every rank gets the same error) leaves the tracker where it was;
-with ``on_error="warn"`` it is logged on every rank and training goes on, the next ``save``
-tries again. ``load(step=None)`` takes the newest committed checkpoint and, if it is incomplete
-or fails its checksums, logs why and falls back to the next older one: every rank gets the same
-error from a load, so every rank makes the same choice.
+with ``on_error="warn"`` it is logged once on every rank, the request is dropped, and training
+goes on; the next ``save`` tries again.
+
+``load(step=None)`` resumes from the step the tracker names (Megatron-LM's rule: the tracker is
+authoritative), then, if that checkpoint is missing, incomplete or fails its checksums, from
+the other committed ones, last committed first. One rank (the coordinator) reads the tracker and
+the listing and broadcasts the candidates, so ranks whose views of a shared filesystem differ
+(NFS attribute caching) still load the same step; after every attempt the ranks agree whether it
+loaded everywhere, and all of them fall back together or none does.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from typing import Any, List, Optional, Tuple, Union
 from .locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
 from .collectives import DistWrapper
 from .commit import atomic_write_bytes, checkpoint_entries, fsync_directory
+from .commit_order import newest_first, read_commit_order, record_save_start
 from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
 from .mapping import ShardedStateDict, StateDict
 from .serialization import load, save
@@ -46,6 +57,9 @@ __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name
 RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 Step = Union[int, str]  # an iteration, or "release"
+
+
+_LOADED, _FALL_BACK, _FATAL = "loaded", "fall back", "fatal"  # each rank's outcome of one load attempt
 
 
 class PendingSaveError(CheckpointingException):
@@ -113,6 +127,8 @@ class CheckpointManager:
         self._queue = AsyncCallsQueue(self.dist)
         self._pending: List[Step] = []
         self.failed_steps: List[Step] = []  # saves that failed (on_error="warn")
+        self.loaded_step: Optional[Step] = None  # the step the last load() loaded
+        self._resumed_from: Optional[Step] = None  # kept by retention until a save of this run commits
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -129,6 +145,7 @@ class CheckpointManager:
         target = self.root / name
         use_async = self.async_save and not blocking
         try:
+            self._record_save_start(name)
             request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
                            **self.save_kwargs)
         except Exception as e:  # every rank raises the same error (save's failures are shared)
@@ -144,6 +161,14 @@ class CheckpointManager:
         self._schedule(step, request)
         if blocking:
             self.wait()
+
+    def _record_save_start(self, name: str) -> None:
+        def coordinator() -> None:
+            if self.dist.is_coordinator:
+                self.root.mkdir(parents=True, exist_ok=True)
+                record_save_start(self.root, name, os.listdir(self.root))
+
+        self.dist.all_run(coordinator)
 
     def _schedule(self, step: Step, request: AsyncRequest) -> None:
         try:
@@ -169,7 +194,8 @@ class CheckpointManager:
                 done = self._queue.maybe_finalize_async_calls(blocking=blocking)
             except Exception as e:  # a write or a commit failed: the same error on every rank
                 # the calls the queue no longer holds: all committed but the last, which failed
-                gone = len(self._pending) - self._queue.get_num_unfinalized_calls()
+                # (the queue drops a call whose finalization raised, so at least one is gone)
+                gone = max(1, len(self._pending) - self._queue.get_num_unfinalized_calls())
                 committed += self._pending[:gone - 1]
                 step = self._pending[gone - 1]
                 del self._pending[:gone]
@@ -191,6 +217,9 @@ class CheckpointManager:
     def _after_commit(self, step: Step) -> None:
         """Every rank, after the checkpoint of ``step`` committed: tracker, then retention."""
 
+        if step != self._resumed_from:
+            self._resumed_from = None  # something newer of this run has committed: no longer kept as such
+
         def coordinator() -> None:
             if self.dist.is_coordinator:
                 self._write_tracker(step)
@@ -199,24 +228,22 @@ class CheckpointManager:
         self.dist.all_run(coordinator)
 
     def _write_tracker(self, step: Step) -> None:
-        current = read_tracker(self.root)
-        if isinstance(step, int) and isinstance(current, int) and current > step:
-            return  # a newer step is named already (saves commit in order; never move back)
+        """The step just committed, whatever was named before: saves commit in the order they
+        started, so the last commit is the run's newest (a rollback moves the tracker back)."""
         atomic_write_bytes(self.root / TRACKER_FNAME, str(step).encode())
         fsync_directory(self.root)
 
     def _apply_retention(self) -> List[int]:
-        steps = self.steps()
-        if not steps:
+        newest = self.commit_order()[::-1]
+        if not newest:
             return []
-        keep = set(steps[-self.keep_last:]) if self.keep_last is not None else set(steps)
-        keep.add(steps[-1])
+        keep = set(newest[:self.keep_last]) if self.keep_last is not None else set(newest)
         if self.keep_every is not None:
-            keep.update(s for s in steps if s % self.keep_every == 0)
+            keep.update(s for s in newest if s % self.keep_every == 0)
         tracked = read_tracker(self.root)
         removed = []
-        for s in steps:
-            if s in keep or s == tracked or s in self._pending:
+        for s in sorted(newest):
+            if s in keep or s == tracked or s in self._pending or s == self._resumed_from:
                 continue
             self._remove_checkpoint(self.root / checkpoint_dir_name(s))
             removed.append(s)
@@ -253,44 +280,77 @@ class CheckpointManager:
                 found.append(int(match.group(1)))
         return sorted(found)
 
-    def latest_step(self) -> Optional[Step]:
-        """The newest committed step: the tracker's, if it names a committed checkpoint."""
-        tracked = read_tracker(self.root)
-        if tracked is not None and (self.root / checkpoint_dir_name(tracked) / CONFIG_FNAME).is_file():
-            return tracked
+    def commit_order(self) -> List[int]:
+        """Committed checkpoints' steps in the order they were committed, last committed last
+        (``commit_order``; checkpoints from before the record first, by step)."""
         steps = self.steps()
-        return steps[-1] if steps else None
+        return newest_first({s: checkpoint_dir_name(s) for s in steps}, read_commit_order(self.root))[::-1]
+
+    def _resume_candidates(self) -> List[Step]:
+        """What this rank sees: the tracker's step (if committed), then the others, last
+        committed first. Only the coordinator's view is used (``latest_step``, ``load``)."""
+        tracked = read_tracker(self.root)
+        candidates: List[Step] = []
+        if tracked is not None and (self.root / checkpoint_dir_name(tracked) / CONFIG_FNAME).is_file():
+            candidates.append(tracked)
+        return candidates + [s for s in reversed(self.commit_order()) if s != tracked]
+
+    def _coordinators_candidates(self) -> List[Step]:
+        """The coordinator's ``_resume_candidates``, on every rank (its error on every rank)."""
+        return self.dist.all_reduce(lambda: None, lambda _: self._resume_candidates())
+
+    def latest_step(self) -> Optional[Step]:
+        """The step a resume would try first: the tracker's, if it names a committed checkpoint,
+        else the last committed one. Collective with a process group: the coordinator decides."""
+        candidates = self._coordinators_candidates()
+        return candidates[0] if candidates else None
 
     # -- loading -------------------------------------------------------------------------------
 
     def load(self, sharded_state_dict: ShardedStateDict, step: Optional[Step] = None, **load_kwargs: Any) -> StateDict:
-        """Load ``step``, or (None) the newest committed checkpoint that loads: one that is
-        incomplete or fails its checksums is logged and the next older one tried (collective;
-        every rank makes the same choice). A request that does not fit the checkpoint (a
+        """Load ``step``, or (None) the step the tracker names, falling back to the other
+        committed checkpoints, last committed first: one that is missing, incomplete or fails
+        its checksums (on any rank) is logged and the next one tried, by every rank together
+        (the coordinator lists the candidates). A request that does not fit the checkpoint (a
         ``MismatchError``, ``KeyMismatchError``...) is raised at once: an older checkpoint would
-        not fit it either. Raises ``CheckpointNotFoundError`` if none loads."""
+        not fit it either. Raises ``CheckpointNotFoundError`` if none loads. The step loaded is
+        ``loaded_step`` afterwards; retention keeps it until a save of this run has committed."""
         if step is not None:
             result = load(sharded_state_dict, self.root / checkpoint_dir_name(step), **load_kwargs)
+            self._loaded(step)
             return result  # type: ignore[return-value]
-        candidates: List[Step] = []
-        tracked = read_tracker(self.root)
-        if tracked is not None:
-            candidates.append(tracked)
-        candidates += [s for s in reversed(self.steps()) if s != tracked]
         failures = []
-        for candidate in candidates:
+        for candidate in self._coordinators_candidates():
             directory = self.root / checkpoint_dir_name(candidate)
+            outcome: Any = None
             try:
-                result = load(sharded_state_dict, directory, **load_kwargs)
+                outcome = load(sharded_state_dict, directory, **load_kwargs)
+                verdict = _LOADED
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # the checkpoint's fault, not the request's
-                logger.warning("cannot load %s (%s: %s); trying the next older checkpoint", directory,
-                               type(e).__name__, e)
-                failures.append(f"{directory.name}: {e}")
+                outcome, verdict = e, _FALL_BACK
+            except Exception as e:  # the request's fault: an older checkpoint would not fit it either
+                outcome, verdict = e, _FATAL
+            verdicts = self.dist.all_gather(lambda: verdict)  # all load it, or all fall back together
+            if verdict == _FATAL:
+                raise outcome
+            if _FATAL in verdicts:
+                raise CheckpointingException(f"loading {directory} failed on rank {verdicts.index(_FATAL)} "
+                                             f"(its error is raised there); this rank loaded it")
+            if _FALL_BACK in verdicts:
+                why = (f"{type(outcome).__name__}: {outcome}" if verdict == _FALL_BACK else
+                       f"it failed on rank {verdicts.index(_FALL_BACK)}")
+                logger.warning("cannot load %s (%s); trying the next older checkpoint", directory, why)
+                failures.append(f"{directory.name}: {why}")
                 continue
-            return result  # type: ignore[return-value]
+            self._loaded(candidate)
+            return outcome  # type: ignore[no-any-return]
         raise CheckpointNotFoundError(
             f"no loadable checkpoint in {self.root}" + (f": {'; '.join(failures)}" if failures else
                                                          " (no committed iter_XXXXXXX directory, no tracker)"))
+
+    def _loaded(self, step: Step) -> None:
+        self.loaded_step = step
+        self._resumed_from = step
 
     def close(self) -> None:
         """Wait for pending saves and stop the background writer."""

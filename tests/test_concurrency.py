@@ -98,3 +98,130 @@ def _overlapping_saves(rank: int, world: int, root: str) -> None:
 def test_overlapping_async_saves_never_share_staging_buffers(tmp_path):
     """18.1: four overlapping async saves, each of distinct values; thread and process writers."""
     run_distributed(_overlapping_saves, 2, str(tmp_path))
+
+
+# -- 18.2: a rollback is the newest run ---------------------------------------------------------
+
+
+def _state(value: float) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), value)), "v": value}
+
+
+def _value(loaded: dict) -> float:
+    assert float(loaded["w"][0, 0]) == loaded["v"], "a mix of checkpoints"
+    return loaded["v"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_rollback_resumed_run_is_kept_and_resumed(tmp_path, async_save):
+    """18.2: 100, 200, 300 with keep_last=2; resume from 200, save 250 and 260: the tracker
+    follows the new run, retention orders by commit, the next resume loads 260."""
+    from dist_ckpt.manager import CheckpointManager, read_tracker
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, async_save=async_save) as first:
+        for step in (100, 200, 300):
+            first.save(step, _state(float(step)))
+    assert read_tracker(root) == 300 and first.steps() == [200, 300]
+
+    resumed = CheckpointManager(root, keep_last=2, async_save=async_save, max_pending=2)
+    assert _value(resumed.load(_state(0.0), step=200)) == 200.0 and resumed.loaded_step == 200
+    resumed.save(250, _state(250.0))
+    resumed.wait()
+    assert read_tracker(root) == 250  # moved back: Megatron-LM writes it unconditionally too
+    assert resumed.steps() == [250, 300]  # by commit order: 300 was committed after 200
+    resumed.save(260, _state(260.0))
+    resumed.close()
+    assert read_tracker(root) == 260
+    assert resumed.steps() == [250, 260] and resumed.commit_order() == [250, 260]  # 300 (abandoned) is gone
+
+    again = CheckpointManager(root, keep_last=2)
+    assert _value(again.load(_state(0.0))) == 260.0 and again.loaded_step == 260 and again.latest_step() == 260
+    again.close()
+
+
+def test_commit_order_survives_a_crash_after_the_commit(tmp_path):
+    """The sequence number is given when a save starts: a checkpoint committed just before a
+    crash (tracker not yet moved) is still the newest by commit order."""
+    from dist_ckpt.manager import TRACKER_FNAME, CheckpointManager
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        for step in (300, 200):
+            mgr.save(step, _state(float(step)))
+    (root / TRACKER_FNAME).unlink()  # as if killed between the commit of 200 and the tracker update
+    mgr = CheckpointManager(root)
+    assert mgr.commit_order() == [300, 200] and mgr.latest_step() == 200
+    assert _value(mgr.load(_state(0.0))) == 200.0
+    mgr.close()
+
+
+# -- 18.3: one rank decides what to load ---------------------------------------------------------
+
+
+def _manager_state(rank: int, world: int, value: float) -> dict:
+    return {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 4), value), (0, rank, world)), "v": value}
+
+
+def _ranks_see_different_roots(rank: int, world: int, root: str) -> list:
+    import dist_ckpt.manager as manager_module
+    from dist_ckpt.core import CorruptCheckpointError
+    from dist_ckpt.manager import CheckpointManager
+
+    with CheckpointManager(root, keep_last=None, async_save=False) as mgr:
+        mgr.save(1, _manager_state(rank, world, 1.0))
+        mgr.save(2, _manager_state(rank, world, 2.0))
+    out = []
+    import dist_ckpt.serialization as serialization_module
+
+    real_read_tracker, real_verify = manager_module.read_tracker, serialization_module.verify_checkpoint_and_load_strategy
+    if rank == 1:  # a stale NFS attribute cache: this node still sees the old tracker
+        manager_module.read_tracker = lambda r: 1
+    mgr = CheckpointManager(root)
+    out.append(mgr.latest_step())
+    out.append(_value(mgr.load(_manager_state(rank, world, 0.0))))
+    out.append(mgr.loaded_step)
+    manager_module.read_tracker = real_read_tracker
+    if rank == 1:  # only this rank finds step 2 damaged (inside the load): both must fall back to 1
+        def verify(directory, *args, **kw):
+            if str(directory).endswith("iter_0000002"):
+                raise CorruptCheckpointError(f"{directory}: checksum mismatch (injected on rank 1)")
+            return real_verify(directory, *args, **kw)
+        serialization_module.verify_checkpoint_and_load_strategy = verify
+    out.append(_value(mgr.load(_manager_state(rank, world, 0.0))))
+    out.append(mgr.loaded_step)
+    serialization_module.verify_checkpoint_and_load_strategy = real_verify
+    mgr.close()
+    return out
+
+
+def test_ranks_agree_on_the_step_to_load(tmp_path):
+    """18.3: the coordinator's tracker and listing decide; a failure on one rank makes all fall back."""
+    results = run_distributed(_ranks_see_different_roots, 2, str(tmp_path / "run"))
+    assert results[0] == results[1] == [2, 2.0, 2, 1.0, 1], results
+
+
+# -- 18.4: a peer dies with on_error="warn" ---------------------------------------------------------
+
+
+def _save_then_peer_dies(rank: int, world: int, root: str):
+    from dist_ckpt.manager import CheckpointManager
+
+    mgr = CheckpointManager(root, on_error="warn", async_save=True)
+    mgr.save(10, _manager_state(rank, world, 10.0))
+    if rank == 1:
+        os._exit(3)  # dies with the save in flight
+    start = time.monotonic()
+    mgr.wait()
+    mgr.close()
+    return list(mgr.failed_steps), time.monotonic() - start
+
+
+def test_on_error_warn_reports_a_dead_peer_once_and_returns(tmp_path):
+    from dist_ckpt.launch import run_processes
+
+    outcomes = run_processes(_save_then_peer_dies, 2, str(tmp_path / "run"), collective_timeout_s=5, deadline_s=60)
+    assert outcomes[1].exitcode == 3
+    assert outcomes[0].exitcode == 0, outcomes  # not looping forever (None: killed at the deadline)
+    failed, seconds = outcomes[0].result
+    assert failed == [10] and seconds < 30, outcomes

@@ -16,6 +16,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_ckpt.manager import RELEASE, TRACKER_FNAME, CheckpointManager, PendingSaveError, read_tracker
+from dist_ckpt.commit_order import COMMIT_ORDER_FNAME
 from dist_helpers import run_distributed
 from small_fs import small_tmpfs
 
@@ -82,7 +83,7 @@ def test_training_loop_saves_every_step_async_with_retention(tmp_path):
     assert newest_value == 9.0 and older_value == 4.0
     assert all(t is None or t <= s for s, t in zip(range(1, 10), seen))  # never ahead of the save
     assert (root / TRACKER_FNAME).read_text() == "9"
-    assert sorted(os.listdir(root)) == ["iter_0000004", "iter_0000008", "iter_0000009", TRACKER_FNAME]
+    assert sorted(os.listdir(root)) == [COMMIT_ORDER_FNAME, "iter_0000004", "iter_0000008", "iter_0000009", TRACKER_FNAME]
 
 
 _KILLED_JOB = textwrap.dedent('''
@@ -114,7 +115,7 @@ def test_save_killed_mid_write_then_a_new_job_resumes(tmp_path):
     # the resumed job saves step 3 again: the dead job's leftovers do not get in the way
     mgr.save(3, {"w": ShardedTensor.from_rank_offsets("w", torch.full((512, 1024), 3.5)), "step_value": 3.5})
     assert read_tracker(root) == 3 and mgr.steps() == [1, 2, 3]
-    assert not [n for n in os.listdir(root) if "dist_ckpt" in n]  # no staging or lock left behind
+    assert not [n for n in os.listdir(root) if "dist_ckpt" in n and n != COMMIT_ORDER_FNAME]  # no staging or lock left behind
 
 
 def _load_newest(rank, world, root):
@@ -232,7 +233,7 @@ def test_disk_full_with_on_error_warn_training_continues(tmp_path):
             pytest.fail("cannot mount a tmpfs for the disk-full case (the tests run as root on Linux)")
         results = run_distributed(_save_through_full_disk, 2, str(mount / "run"))
         assert results[0] == results[1] == (1, [2], 3, 3.0, [1, 3], 1)  # logged on every rank, with the reason
-        assert not [n for n in os.listdir(mount / "run") if "dist_ckpt" in n]  # the failed save cleaned up
+        assert not [n for n in os.listdir(mount / "run") if "dist_ckpt" in n and n != COMMIT_ORDER_FNAME]  # the failed save cleaned up
 
 
 def test_single_process_raise_blocking_and_max_pending(tmp_path, caplog):

@@ -416,9 +416,18 @@ class AsyncCallsQueue:
         finalized: List[int] = []
         while self._calls:
             call = self._calls[0]
-            done = 1 if call.caller.is_current_async_call_done(call.request, blocking) else 0
-            if not no_dist:
-                done = self.dist.all_reduce_min(done)
+            try:
+                done = 1 if call.caller.is_current_async_call_done(call.request, blocking) else 0
+                if not no_dist:
+                    done = self.dist.all_reduce_min(done)  # fails when a peer died
+            except BaseException:
+                # The ranks cannot agree on this call any more: it is dropped (its cleanup runs,
+                # nothing is committed) and reported once, so a caller that goes on after the
+                # error (on_error="warn") is not handed the same failing call forever.
+                self._calls.pop(0)
+                for fn in call.request.cleanup_fns:
+                    fn()
+                raise
             if not done:
                 break
             self._calls.pop(0)
