@@ -22,10 +22,13 @@ to a checkpoint (``checkpoint_entries``): ``metadata.json``, ``common.pt``, the 
 array / ShardedObject directories; a name the new checkpoint itself writes replaces a foreign
 entry of that name (as Megatron-Core's in-place save does), with a warning.
 
-Where the filesystem cannot swap, the old directory is renamed to
-``.<name>.dist_ckpt-old-<save id>`` first; if the process dies before the new one is in
-place, ``recover`` (run by ``clean``, by the next save, and named by the error of a load of the
-missing target) puts it back. Leftover directories are ignored by loads and removed by the next
+Where the filesystem cannot swap (NFS, Lustre, some FUSE), the old directory is renamed to
+``.<name>.dist_ckpt-old-<save id>`` first, and deleted only after the new one is in place and
+durable. If the process dies between the renames, or another process recreates the target
+there (the second rename then fails), ``recover`` (run at once, by ``clean``, by the next save,
+and named by the error of a load of the target) puts the old one back, moving into it what was
+written at the target meanwhile; a moved-aside checkpoint is never deleted while no checkpoint
+is at its target. Other leftover directories are ignored by loads and removed by the next
 save of the same target or by ``dist-ckpt clean``, after any foreign file in them that is not at
 the target is moved there.
 """
@@ -45,7 +48,8 @@ from pathlib import Path
 from typing import Any, Iterable, List, Optional, Set, Union
 
 from .interrupts import interrupts_deferred
-from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointNotFoundError, config_bytes, \
+from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
+    CheckpointNotFoundError, config_bytes, \
     save_config
 
 PathLike = Union[str, os.PathLike]
@@ -211,6 +215,18 @@ def _is_committed(path: Path) -> bool:
     return (path / CONFIG_FNAME).is_file()
 
 
+def _foreign_checkpoint(path: Path) -> Optional[str]:
+    """What another tool's checkpoint at ``path`` is (``formats.foreign_format_of``), or None."""
+    from .formats import describe_foreign, foreign_format_of  # formats reads checkpoints; it sits above
+
+    try:
+        names = [e.name for e in os.scandir(path) if e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    foreign = foreign_format_of(names)
+    return None if foreign is None else describe_foreign(foreign)
+
+
 # -- what belongs to a checkpoint, and what does not ---------------------------------------------
 
 _CHECKPOINT_FILES = {CONFIG_FNAME, "common.pt", ".metadata", "dist_ckpt_manifest.json"}
@@ -348,7 +364,8 @@ def _dispose(leftover: Path, target: Path) -> None:
 
 
 def missing_target_hint(target: Path) -> str:
-    """For the error of a load whose directory is missing: what an interrupted overwrite left."""
+    """For the error of a load of a missing or uncommitted directory: the previous checkpoint an
+    interrupted overwrite moved aside, if any."""
     olds = [p for p in _leftovers_of(Path(os.path.abspath(target)), OLD_MARK) if _is_committed(p)]
     if not olds:
         return ""
@@ -356,17 +373,55 @@ def missing_target_hint(target: Path) -> str:
             f"`dist-ckpt clean {target}` puts it back")
 
 
+def _restorable_olds(target: Path) -> List[Path]:
+    """Committed checkpoints moved aside by an overwrite that did not finish, while no checkpoint
+    is at the target: never disposed of, only put back (``recover``)."""
+    if _is_committed(target):
+        return []
+    return [p for p in _leftovers_of(target, OLD_MARK) if _is_committed(p)]
+
+
 def recover(target: Path) -> bool:
-    """Put back a committed checkpoint that an interrupted overwrite moved aside; True if so."""
+    """Put back a committed checkpoint that an interrupted overwrite moved aside; True if so.
+
+    The target may have been recreated meanwhile (an overwrite without ``RENAME_EXCHANGE``,
+    raced by another process): its files are moved into the old checkpoint first (the newer
+    copy of a file wins), unless one has the name of a checkpoint file; then nothing is moved
+    and the old checkpoint stays aside, kept (False)."""
+    olds = _restorable_olds(target)
+    if not olds or (os.path.lexists(target) and not target.is_dir()):
+        return False
+    old = olds[-1]
     if target.exists():
-        return False
-    olds = [p for p in _leftovers_of(target, OLD_MARK) if _is_committed(p)]
-    if not olds:
-        return False
-    os.rename(olds[-1], target)
+        if _foreign_checkpoint(target) is not None:
+            return False
+        ours = checkpoint_entries(old)
+        clash = sorted(set(os.listdir(target)) & ours)
+        if clash:
+            logger.warning("cannot put %s back: %s holds %s now; it stays where it is", old, target, ", ".join(clash))
+            return False
+        _move_back_foreign_entries(target, old, set(), old_wins=True)
+        fsync_directory(old)
+        try:
+            target.rmdir()
+        except OSError:  # written to again meanwhile: try again later
+            logger.warning("cannot put %s back: %s is being written to", old, target)
+            return False
+    os.rename(old, target)
     fsync_directory(target.parent)
-    logger.warning("restored %s from %s (an overwrite of it was interrupted)", target, olds[-1].name)
+    logger.warning("restored %s from %s (an overwrite of it was interrupted)", target, old.name)
     return True
+
+
+def _disposable_leftovers(target: Path) -> List[Path]:
+    """What interrupted saves left beside ``target`` that may go: staging directories, and
+    moved-aside old directories unless one is the only copy of the checkpoint (``recover``
+    could not put it back)."""
+    keep = set(_restorable_olds(target))
+    for old in keep:
+        logger.warning("keeping %s: it holds the checkpoint of %s, which an interrupted overwrite moved aside "
+                       "(`dist-ckpt clean %s` puts it back once nothing else writes there)", old, target, target)
+    return [p for p in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK) if p not in keep]
 
 
 def clean(path: Path) -> List[Path]:
@@ -396,7 +451,7 @@ def clean(path: Path) -> List[Path]:
             continue
         try:
             recover(target)
-            for leftover in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK):
+            for leftover in _disposable_leftovers(target):
                 _dispose_leftover(leftover, target)
                 removed.append(leftover)
         finally:
@@ -441,6 +496,12 @@ class StagedSave:
                 f"another save committed a checkpoint at {self.target} while this one ran; this save was "
                 f"not committed and its files are removed ({OVERWRITE_HINT})"
             )
+        foreign = _foreign_checkpoint(self.target)
+        if foreign is not None and self.overwrite is not True:
+            raise CheckpointExistsError(
+                f"another tool wrote a {foreign} at {self.target} while this save ran; this save was not "
+                f"committed and its files are removed (pass overwrite=True to replace it)"
+            )
         parent = self.target.parent
         replaced = checkpoint_entries(self.target)
         new_entries = set(os.listdir(self.staging))
@@ -450,11 +511,26 @@ class StagedSave:
         if _exchange(self.staging, self.target):
             fsync_directory(parent)
             os.rename(self.staging, old)  # the staging name now holds the old directory: say so
-        else:  # no atomic swap here: move the old one aside first (recover() undoes it)
+        else:  # no atomic swap here (NFS, Lustre, some FUSE): move the old one aside first
             os.rename(self.target, old)
             fsync_directory(parent)
-            os.rename(self.staging, self.target)
-        fsync_directory(parent)
+            try:
+                os.rename(self.staging, self.target)
+            except OSError as e:
+                # Another process recreated the target between the two renames (Megatron-LM
+                # writing a file into it, say). The old checkpoint goes back (recover), the
+                # intruder's files into it; if that cannot be done now, it stays moved aside
+                # and is never disposed of while the target holds no checkpoint: clean or the
+                # next save puts it back.
+                restored = recover(self.target)
+                where = (f"the previous checkpoint is back at {self.target}" if restored else
+                         f"the previous checkpoint is kept at {old} (`dist-ckpt clean {self.target}` puts it back)")
+                raise CheckpointingException(
+                    f"{self.target} was recreated by another process during this save's commit ({e.strerror}); "
+                    f"this save was not committed and {where}. Make sure nothing else writes {self.target} "
+                    f"while it is saved"
+                ) from None
+        fsync_directory(parent)  # the new checkpoint is in place and durable: only now does the old one go
         _move_back_foreign_entries(old, self.target, replaced | new_entries, old_wins=True)
         shutil.rmtree(old, ignore_errors=True)
 
@@ -493,7 +569,7 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
     lock = SaveLock(target)
     try:
         recover(target)
-        for leftover in _leftovers_of(target, STAGING_MARK) + _leftovers_of(target, OLD_MARK):
+        for leftover in _disposable_leftovers(target):
             logger.warning("removing %s, left by an interrupted save", leftover)
             _dispose_leftover(leftover, target)
         if _is_committed(target):
@@ -505,6 +581,15 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
             if overwrite is None:
                 logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits "
                                "(other files in the directory are kept)", target)
+        elif target.is_dir() and _foreign_checkpoint(target) is not None:
+            foreign = _foreign_checkpoint(target)
+            if overwrite is not True:
+                raise CheckpointExistsError(
+                    f"{target} holds a {foreign} written by another tool (not a dist_ckpt save); nothing was "
+                    f"written. Save to another directory, or pass overwrite=True to replace it (its files of "
+                    f"other formats are kept)"
+                )
+            logger.warning("%s holds a %s; it is replaced when this save commits (overwrite=True)", target, foreign)
         elif target.is_dir() and any(checkpoint_entries(target)):
             logger.warning("%s holds files of an incomplete checkpoint; they will be replaced when this save "
                            "commits (other files in the directory are kept)", target)

@@ -15,8 +15,9 @@ strategies like any other backend (and a user can register replacements under th
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 from .core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
 from .strategies.common import COMMON_STATE_FNAME
@@ -26,7 +27,9 @@ __all__ = [
     "SAFETENSORS_BACKEND",
     "SAFETENSORS_INDEX_FNAME",
     "detect_checkpoint_config",
+    "foreign_format_of",
     "describe_format",
+    "describe_foreign",
 ]
 
 NATIVE_DCP_BACKEND = "dcp"
@@ -35,17 +38,45 @@ SAFETENSORS_INDEX_FNAME = "model.safetensors.index.json"
 _DCP_METADATA = ".metadata"
 
 
+def foreign_format_of(names: Collection[str]) -> Optional[str]:
+    """The one rule of what is another tool's checkpoint, over the top-level file names of a
+    directory or an object-store prefix: ``NATIVE_DCP_BACKEND`` or ``SAFETENSORS_BACKEND``,
+    or None (a dist_ckpt / Megatron-Core checkpoint, complete or not, or no checkpoint).
+
+    Saves use it to refuse replacing such a checkpoint unless told (``overwrite=True``): its
+    ``.metadata`` and ``*.distcp`` look like the files of an interrupted save of ours, but a
+    save of ours or Megatron-Core's that did not finish has no ``.metadata`` without
+    ``common.pt`` (written first)."""
+    if CONFIG_FNAME in names:
+        return None
+    if _DCP_METADATA in names and COMMON_STATE_FNAME not in names:
+        return NATIVE_DCP_BACKEND
+    if SAFETENSORS_INDEX_FNAME in names or any(n.endswith(".safetensors") for n in names):
+        return SAFETENSORS_BACKEND
+    return None
+
+
+def _top_level_files(directory: Path) -> Collection[str]:
+    try:
+        return [e.name for e in os.scandir(directory) if e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def detect_checkpoint_config(checkpoint_dir: Path) -> Optional[CheckpointingConfig]:
     """The checkpoint's ``metadata.json``, or the configuration of a foreign layout found in
-    ``checkpoint_dir``, or None when it holds neither."""
+    ``checkpoint_dir`` (``foreign_format_of``), or None when it holds neither."""
     config = maybe_load_config(checkpoint_dir)
     if config is not None:
         return config
-    if (checkpoint_dir / _DCP_METADATA).is_file() and not (checkpoint_dir / COMMON_STATE_FNAME).exists():
-        return CheckpointingConfig(NATIVE_DCP_BACKEND, 1, NATIVE_DCP_BACKEND, 1)
-    if (checkpoint_dir / SAFETENSORS_INDEX_FNAME).is_file() or any(checkpoint_dir.glob("*.safetensors")):
-        return CheckpointingConfig(SAFETENSORS_BACKEND, 1, SAFETENSORS_BACKEND, 1)
-    return None
+    foreign = foreign_format_of(_top_level_files(checkpoint_dir))
+    return None if foreign is None else CheckpointingConfig(foreign, 1, foreign, 1)
+
+
+def describe_foreign(backend: str) -> str:
+    """A phrase for messages: ``PyTorch DCP checkpoint`` for ``dcp``."""
+    return {NATIVE_DCP_BACKEND: "PyTorch DCP checkpoint", SAFETENSORS_BACKEND: "Hugging Face safetensors"}.get(
+        backend, backend)
 
 
 def describe_format(checkpoint_dir: Path) -> str:
@@ -55,5 +86,4 @@ def describe_format(checkpoint_dir: Path) -> str:
     config = detect_checkpoint_config(checkpoint_dir)
     if config is None:
         return "not a checkpoint"
-    return {NATIVE_DCP_BACKEND: "PyTorch DCP checkpoint", SAFETENSORS_BACKEND: "Hugging Face safetensors"}.get(
-        config.sharded_backend, config.sharded_backend)
+    return describe_foreign(config.sharded_backend)

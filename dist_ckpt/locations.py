@@ -75,8 +75,9 @@ def why_not_a_checkpoint(path: Path) -> str:
     from .commit import is_dist_ckpt_leftover, leftovers_beside, missing_target_hint
 
     beside = leftovers_beside(Path(os.path.abspath(path)))
-    clean_hint = (f"; an interrupted save of it left {beside[-1].name} beside it (not a checkpoint): "
-                  f"`dist-ckpt clean {path}` removes it") if beside else ""
+    clean_hint = missing_target_hint(path) or ((
+        f"; an interrupted save of it left {beside[-1].name} beside it (not a checkpoint): "
+        f"`dist-ckpt clean {path}` removes it") if beside else "")
     if not os.path.lexists(path):
         return f"Checkpoint directory {path} does not exist{missing_target_hint(path) or clean_hint}"
     if not os.path.isdir(path):

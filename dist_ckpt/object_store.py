@@ -29,6 +29,15 @@ For S3 the endpoint and credentials come from ``storage_options`` (passed to fss
 the standard AWS variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...). Requests are
 retried a bounded number of times (``DEFAULT_S3_OPTIONS``); then a ``StorageError`` names the
 URL.
+
+Every storage call has a deadline (``StoreLocation.call``): a server that accepts connections
+but never answers (a network partition, a stopped server) fails the call after
+``DEFAULT_DEADLINE_S`` (60 s; ``storage_options={"dist_ckpt_deadline_s": ...}`` or the variable
+``DIST_CKPT_STORAGE_DEADLINE_S``), plus the time a transfer needs at ``MIN_TRANSFER_RATE``,
+with a ``StorageError`` naming the URL - not after botocore's read timeout times its attempts
+times s3fs's retries (more than 6 minutes). The deadline cancels the request (fsspec's
+asynchronous filesystems: s3fs, gcsfs, ...); filesystems without an asynchronous
+implementation have only their own timeouts.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
 from .commit import OVERWRITE_HINT, checkpoint_entries_of
+from .formats import describe_foreign, foreign_format_of
 from .interrupts import interrupts_deferred
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
@@ -56,6 +66,9 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "StorageError",
     "DEFAULT_S3_OPTIONS",
+    "DEFAULT_DEADLINE_S",
+    "DEADLINE_OPTION",
+    "DEADLINE_ENV",
     "SAVE_DIR_PREFIX",
     "POINTER_FIELD",
     "is_url",
@@ -80,8 +93,12 @@ POINTER_FIELD = "dist_ckpt_data"
 # seconds, not a hang (s3fs itself retries a call 5 times, ~2 s of back-off in all; botocore
 # would add up to 5 attempts of its own to each).
 DEFAULT_S3_OPTIONS: Dict[str, Any] = {
-    "config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}},
+    "config_kwargs": {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 2, "mode": "standard"}},
 }
+DEFAULT_DEADLINE_S = 60.0  # a storage call that has not answered by then fails (module docstring)
+DEADLINE_OPTION = "dist_ckpt_deadline_s"  # in storage_options (not passed on to fsspec)
+DEADLINE_ENV = "DIST_CKPT_STORAGE_DEADLINE_S"
+MIN_TRANSFER_RATE = 8 * 2**20  # bytes/s: a transfer of n bytes gets n / this more time
 PathOrUrl = Union[str, os.PathLike]
 
 
@@ -100,12 +117,17 @@ def _local_path(path: PathOrUrl) -> Path:
 
 
 @contextlib.contextmanager
-def _storage_errors(url: str, doing: str) -> Iterator[None]:
+def _storage_errors(url: str, doing: str, deadline_s: Optional[float] = None) -> Iterator[None]:
     """Every failure of a storage call as one of our errors, naming the URL."""
     try:
         yield
     except CheckpointingException:
         raise
+    except TimeoutError as e:  # fsspec's FSTimeoutError (our deadline), or the client's own
+        within = f"within {deadline_s:.0f} s" if deadline_s is not None else "in time"
+        raise StorageError(f"{url}: {doing} got no answer {within} ({type(e).__name__}); the storage is stalled or "
+                           f"unreachable (the deadline: storage_options={{'{DEADLINE_OPTION}': seconds}} or "
+                           f"{DEADLINE_ENV})") from None
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(f"{url}: {doing} failed, not found ({e})") from None
     except (OSError, ValueError, RuntimeError, TimeoutError) as e:
@@ -125,6 +147,17 @@ class StoreLocation:
     fs: Any
     path: str
     storage_options: Dict[str, Any] = field(default_factory=dict)
+    deadline_s: float = DEFAULT_DEADLINE_S
+
+    def call(self, doing: str, method: str, *args: Any, nbytes: int = 0, **kwargs: Any) -> Any:
+        """``fs.<method>(*args, **kwargs)`` within the deadline (plus ``nbytes`` at
+        ``MIN_TRANSFER_RATE``), failures as ``StorageError``/``CheckpointNotFoundError`` naming
+        ``doing`` and the URL."""
+        deadline = self.deadline_s + nbytes / MIN_TRANSFER_RATE
+        with _storage_errors(self.url, doing, deadline):
+            if getattr(self.fs, "async_impl", False):  # fsspec's sync wrapper cancels the request at ``timeout``
+                kwargs["timeout"] = deadline
+            return getattr(self.fs, method)(*args, **kwargs)
 
     def child(self, name: str) -> str:
         return f"{self.path.rstrip('/')}/{name}"
@@ -140,27 +173,39 @@ def open_location(url: str, storage_options: Optional[Mapping[str, Any]] = None)
     except ImportError:  # pragma: no cover - fsspec comes with the s3 extra
         raise CheckpointingException(f"{url}: URLs need fsspec; install dist_ckpt[s3]") from None
     protocol = url.split("://", 1)[0]
+    deadline = _deadline_of(url, storage_options)
     options: Dict[str, Any] = {}
     if protocol in ("s3", "s3a"):
         # a fresh client per location: a cached one would keep the AWS_* variables of its creation
         options = {"skip_instance_cache": True, **json.loads(json.dumps(DEFAULT_S3_OPTIONS))}
         options["config_kwargs"].update((storage_options or {}).get("config_kwargs", {}))
-    options.update({k: v for k, v in (storage_options or {}).items() if k != "config_kwargs"})
+    options.update({k: v for k, v in (storage_options or {}).items() if k not in ("config_kwargs", DEADLINE_OPTION)})
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as e:
         raise CheckpointingException(f"{url}: no filesystem for {protocol}:// ({e}); for S3 install dist_ckpt[s3]") from None
     fs.invalidate_cache()  # other protocols share instances and their listings; another process may have written
-    return StoreLocation(url.rstrip("/"), fs, path.rstrip("/"), dict(storage_options or {}))
+    return StoreLocation(url.rstrip("/"), fs, path.rstrip("/"), dict(storage_options or {}), deadline)
+
+
+def _deadline_of(url: str, storage_options: Optional[Mapping[str, Any]]) -> float:
+    raw = (storage_options or {}).get(DEADLINE_OPTION, os.environ.get(DEADLINE_ENV) or DEFAULT_DEADLINE_S)
+    try:
+        deadline = float(raw)
+    except (TypeError, ValueError):
+        deadline = -1.0
+    if not deadline > 0:
+        raise CheckpointingException(f"{url}: the storage deadline ({DEADLINE_OPTION} / {DEADLINE_ENV}) must be a "
+                                     f"positive number of seconds, got {raw!r}")
+    return deadline
 
 
 def _read_pointer(loc: StoreLocation) -> Optional[Dict[str, Any]]:
     """``U/metadata.json`` as a dict, or None when there is none."""
-    with _storage_errors(loc.url, f"reading {CONFIG_FNAME}"):
-        try:
-            raw = loc.fs.cat_file(loc.child(CONFIG_FNAME))
-        except FileNotFoundError:
-            return None
+    try:
+        raw = loc.call(f"reading {CONFIG_FNAME}", "cat_file", loc.child(CONFIG_FNAME))
+    except CheckpointNotFoundError:
+        return None
     try:
         content = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -170,11 +215,10 @@ def _read_pointer(loc: StoreLocation) -> Optional[Dict[str, Any]]:
 
 def _listing(loc: StoreLocation, prefix: str, skip_save_dirs: bool) -> Dict[str, Dict[str, Any]]:
     """Objects under ``prefix``: relative name -> info (size, ETag)."""
-    with _storage_errors(loc.url, "listing objects"):
-        try:
-            found = loc.fs.find(prefix, detail=True)
-        except FileNotFoundError:
-            found = {}
+    try:
+        found = loc.call("listing objects", "find", prefix, detail=True)
+    except CheckpointNotFoundError:
+        found = {}
     out: Dict[str, Dict[str, Any]] = {}
     for full, info in found.items():
         if info.get("type") == "directory":
@@ -248,8 +292,8 @@ def local_copy(url: str, storage_options: Optional[Mapping[str, Any]] = None, re
             local = [str(partial / rel) for rel in objects]
             for path in local:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            with _storage_errors(url, f"downloading {len(remote)} objects"):
-                loc.fs.get(remote, local)
+            loc.call(f"downloading {len(remote)} objects", "get", remote, local,
+                     nbytes=sum(int(info.get("size") or 0) for info in objects.values()))
             os.rename(partial, target)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
@@ -308,8 +352,8 @@ class RemoteSave:
         content = json.loads(config_bytes(config))
         content[POINTER_FIELD] = self.save_name
         with interrupts_deferred():  # a Ctrl-C must not send abort() after the PUT
-            with _storage_errors(self.url, f"writing {CONFIG_FNAME} (the commit)"):
-                loc.fs.pipe_file(loc.child(CONFIG_FNAME), json.dumps(content).encode())
+            loc.call(f"writing {CONFIG_FNAME} (the commit)", "pipe_file", loc.child(CONFIG_FNAME),
+                     json.dumps(content).encode())
             self.committed = True
         _remove_replaced(loc, keep=self.save_name)
 
@@ -321,15 +365,15 @@ class RemoteSave:
             return
         try:
             loc = self.location()
-            loc.fs.rm(loc.child(self.save_name), recursive=True)
+            loc.call(f"removing {self.save_name}", "rm", loc.child(self.save_name), recursive=True)
         except Exception as e:  # already gone, or the store is unreachable: the next save cleans
             logger.debug("could not remove %s/%s: %s", self.url, self.save_name, e)
 
 
 def _put(loc: StoreLocation, source: Path, names: Sequence[str], under: str = "") -> None:
     prefix = loc.child(under) if under else loc.path
-    with _storage_errors(loc.url, f"uploading {len(names)} files"):
-        loc.fs.put([str(source / n) for n in names], [f"{prefix}/{n}" for n in names])
+    loc.call(f"uploading {len(names)} files", "put", [str(source / n) for n in names], [f"{prefix}/{n}" for n in names],
+             nbytes=sum((source / n).stat().st_size for n in names))
 
 
 def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
@@ -377,8 +421,7 @@ def _remove_replaced(loc: StoreLocation, keep: str) -> List[str]:
     entries = checkpoint_entries_of(root_files)  # a replaced checkpoint uploaded as a plain directory
     stale = sorted(rel for rel in root_files if rel.split("/", 1)[0] in entries)
     if stale:
-        with _storage_errors(loc.url, "removing the replaced checkpoint's files"):
-            loc.fs.rm([loc.child(n) for n in stale])
+        loc.call("removing the replaced checkpoint's files", "rm", [loc.child(n) for n in stale])
         removed.extend(stale)
     return removed
 
@@ -393,14 +436,19 @@ def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Opti
                                         f"to a new URL, or replace it: {OVERWRITE_HINT}")
         if overwrite is None:
             logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits", url)
-    with _storage_errors(url, "listing objects"):
-        nested = [p for p in loc.fs.glob(loc.child(f"*/{CONFIG_FNAME}"))
-                  if not p[len(loc.path):].lstrip("/").startswith(SAVE_DIR_PREFIX)]
+    nested = [p for p in loc.call("listing objects", "glob", loc.child(f"*/{CONFIG_FNAME}"))
+              if not p[len(loc.path):].lstrip("/").startswith(SAVE_DIR_PREFIX)]
     if nested:
         names = ", ".join(p[len(loc.path):].strip("/").split("/")[0] for p in nested[:5])
         raise CheckpointExistsError(f"{url} holds other checkpoints ({names}); a checkpoint cannot contain "
                                     f"checkpoints - save to a new prefix such as {url.rstrip('/')}/iter_0000001")
     if pointer is None:
+        foreign = foreign_format_of([r for r in _listing(loc, loc.path, skip_save_dirs=True) if "/" not in r])
+        if foreign is not None and overwrite is not True:
+            raise CheckpointExistsError(
+                f"{url} holds a {describe_foreign(foreign)} written by another tool (not a dist_ckpt save); nothing "
+                f"was written. Save to another URL, or pass overwrite=True to replace it (its files of other "
+                f"formats are kept)")
         _remove_interrupted(loc, keep="")
     remote = RemoteSave(loc.url, f"{SAVE_DIR_PREFIX}{uuid.uuid4().hex[:12]}", dict(storage_options or {}), overwrite)
     return remote
@@ -408,17 +456,15 @@ def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Opti
 
 def _remove_interrupted(loc: StoreLocation, keep: str) -> List[str]:
     """Save directories other than ``keep``: left by saves killed before their commit."""
-    with _storage_errors(loc.url, "listing objects"):
-        try:
-            children = loc.fs.ls(loc.path, detail=False)
-        except FileNotFoundError:
-            return []
+    try:
+        children = loc.call("listing objects", "ls", loc.path, detail=False)
+    except CheckpointNotFoundError:
+        return []
     removed = []
     for child in children:
         name = child.rstrip("/").rsplit("/", 1)[-1]
         if name.startswith(SAVE_DIR_PREFIX) and name != keep:
-            with _storage_errors(loc.url, f"removing {name}"):
-                loc.fs.rm(child, recursive=True)
+            loc.call(f"removing {name}", "rm", child, recursive=True)
             removed.append(name)
     return removed
 

@@ -10,7 +10,22 @@ import sys
 import time
 from typing import Dict, Iterator
 
-__all__ = ["free_port", "moto_server"]
+__all__ = ["free_port", "moto_server", "server_pid"]
+
+_PIDS: Dict[str, int] = {}  # endpoint -> the server's pid (to stop it with SIGSTOP: a stalled server)
+
+
+def server_pid(endpoint: str) -> int:
+    return _PIDS[endpoint]
+
+
+def _stopped(pid: int) -> bool:
+    """A SIGSTOPped server (a stall test that failed before resuming it) ignores SIGTERM."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -27,6 +42,7 @@ def moto_server(extra_env: Dict[str, str] = None) -> Iterator[str]:
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
+    _PIDS[endpoint] = server.pid
     env = dict(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                AWS_DEFAULT_REGION="us-east-1", **(extra_env or {}))
     saved = {k: os.environ.get(k) for k in env}
@@ -46,7 +62,8 @@ def moto_server(extra_env: Dict[str, str] = None) -> Iterator[str]:
                 time.sleep(0.2)
         yield endpoint
     finally:
-        server.terminate()
+        _PIDS.pop(endpoint, None)
+        server.kill() if server.poll() is None and _stopped(server.pid) else server.terminate()
         try:
             server.wait(10)
         except subprocess.TimeoutExpired:

@@ -225,3 +225,129 @@ def test_on_error_warn_reports_a_dead_peer_once_and_returns(tmp_path):
     assert outcomes[0].exitcode == 0, outcomes  # not looping forever (None: killed at the deadline)
     failed, seconds = outcomes[0].result
     assert failed == [10] and seconds < 30, outcomes
+
+
+# -- 18.5: another tool's checkpoint at the target ----------------------------------------------
+
+
+def _tree_digest(directory: Path) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _write_foreign(kind: str, directory: Path) -> None:
+    if kind == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model.w": torch.arange(6.0)}, checkpoint_id=str(directory))  # torch's own writer
+    else:
+        from safetensors.torch import save_file
+
+        directory.mkdir()
+        save_file({"model.w": torch.arange(6.0)}, str(directory / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors"])
+def test_a_save_onto_another_tools_checkpoint_is_refused_unless_overwrite(tmp_path, kind):
+    """18.5 (directories): a plain DCP checkpoint's .metadata/*.distcp look like an unfinished
+    save of ours; it must be refused like a committed checkpoint, nothing touched."""
+    target = tmp_path / "ckpt"
+    _write_foreign(kind, target)
+    before = _tree_digest(target)
+    for overwrite in (None, False):
+        with pytest.raises(dist_ckpt.CheckpointExistsError, match="written by another tool") as info:
+            dist_ckpt.save(_state(1.0), target, overwrite=overwrite)
+        assert str(target) in str(info.value) and "overwrite=True" in str(info.value)
+        assert _tree_digest(target) == before and sorted(os.listdir(tmp_path)) == ["ckpt"]  # no leftover either
+    dist_ckpt.save(_state(2.0), target, overwrite=True)
+    assert _value(dist_ckpt.load(_state(0.0), target)) == 2.0
+
+
+# -- 18.6: a commit without RENAME_EXCHANGE, raced between its two renames ------------------------
+
+
+def _without_exchange_and_raced(monkeypatch, target: Path, intruder: str) -> None:
+    """No renameat2 swap (as on NFS); right after the old checkpoint is renamed aside, another
+    process recreates the target and writes ``intruder`` into it."""
+    import dist_ckpt.commit as commit
+
+    monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
+    real_fsync = commit.fsync_directory
+
+    def fsync_then_race(path):
+        real_fsync(path)
+        if Path(path) == target.parent and not target.exists() and commit._leftovers_of(target, commit.OLD_MARK):
+            target.mkdir()
+            (target / intruder).write_text("written by another process")
+
+    monkeypatch.setattr(commit, "fsync_directory", fsync_then_race)
+
+
+def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
+    """18.6: before, the second rename failed, abort deleted the new checkpoint, recover skipped
+    (the target existed) and the next save disposed of the moved-aside old one: both gone."""
+    import dist_ckpt.commit as commit
+
+    target = tmp_path / "iter_0000100"
+    dist_ckpt.save(_state(1.0), target)
+    (target / "config.yaml").write_text("kept")
+    with monkeypatch.context() as m:
+        _without_exchange_and_raced(m, target, "train.log")
+        with pytest.raises(dist_ckpt.CheckpointingException, match="recreated by another process") as info:
+            dist_ckpt.save(_state(2.0), target)
+    assert "previous checkpoint is back" in str(info.value)
+    assert _value(dist_ckpt.load(_state(0.0), target)) == 1.0  # the old one, loadable at once
+    assert (target / "train.log").read_text() == "written by another process" and (target / "config.yaml").exists()
+    assert not commit.leftovers_beside(target)
+    dist_ckpt.save(_state(3.0), target)  # and the next save replaces it normally
+    assert _value(dist_ckpt.load(_state(0.0), target)) == 3.0 and (target / "train.log").exists()
+
+
+def test_a_moved_aside_checkpoint_that_cannot_go_back_is_kept_until_clean(tmp_path, monkeypatch):
+    """The intruder wrote a file with a checkpoint file's name: the old checkpoint cannot go back
+    at once; loads name `dist-ckpt clean`, later saves keep it, clean restores it."""
+    import dist_ckpt.commit as commit
+
+    target = tmp_path / "ckpt"
+    dist_ckpt.save(_state(1.0), target)
+    with monkeypatch.context() as m:
+        _without_exchange_and_raced(m, target, "common.pt")
+        with pytest.raises(dist_ckpt.CheckpointingException, match="kept at"):
+            dist_ckpt.save(_state(2.0), target)
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="dist-ckpt clean"):
+        dist_ckpt.load(_state(0.0), target)
+    other = tmp_path / "other"
+    dist_ckpt.save(_state(5.0), other)  # unrelated saves beside it do not touch it
+    (target / "common.pt").unlink()  # the other process is done and its file gone
+    assert commit.clean(target) == [] and _value(dist_ckpt.load(_state(0.0), target)) == 1.0
+
+
+# -- 18.12: the writer's timeout counts from the start of its own write ----------------------------
+
+
+def _sleep_and_return(seconds: float, value: int) -> int:
+    time.sleep(seconds)
+    return value
+
+
+def test_a_queued_write_is_timed_from_its_own_start():
+    """Two 1.5 s writes queued on the persistent writer with timeout_s=2.5: the second ran from
+    1.5 s to 3 s; timed from its scheduling it was killed at 2.5 s, in the middle of its write."""
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
+
+    caller = PersistentAsyncCaller(timeout_s=2.5)
+    try:
+        first, second = (AsyncRequest(_sleep_and_return, (1.5, i), []) for i in (1, 2))
+        caller.schedule_async_call(first)
+        caller.schedule_async_call(second)
+        assert caller.is_current_async_call_done(first, blocking=True) and first.async_error is None
+        assert caller.is_current_async_call_done(second, blocking=True)
+        assert second.async_error is None and (first.async_result, second.async_result) == (1, 2)
+        stuck = AsyncRequest(_sleep_and_return, (30, 3), [])  # a write that really runs too long still fails
+        caller.schedule_async_call(stuck)
+        assert caller.is_current_async_call_done(stuck, blocking=True)
+        assert "did not finish within" in str(stuck.async_error)
+    finally:
+        caller.close()

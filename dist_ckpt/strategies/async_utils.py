@@ -228,6 +228,7 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
         if job is None:
             return
         idx, forget, payload = job
+        results.put((idx, "started", None))  # the job's timeout counts from here, not from its scheduling
         try:
             forget_arenas(forget)
             fn, args, kwargs = pickle.loads(payload)  # noqa: S301 - our own training process's job
@@ -241,15 +242,18 @@ class PersistentAsyncCaller(AsyncCaller):
     (Megatron-Core's persistent caller). Requests run in order; their ``async_fn`` and
     arguments go through a torch.multiprocessing queue (CPU tensors in shared memory: no copy
     when they were staged there). If the process dies (killed, out of memory) or a write runs
-    past ``timeout_s``, the pending requests fail with a ``CheckpointingException`` naming it,
-    and the next request starts a new process."""
+    past ``timeout_s`` (counted from the start of that write in the writer, not from its
+    scheduling: a job queued behind a long write is not timed while it waits), the pending
+    requests fail with a ``CheckpointingException`` naming it, and the next request starts a new
+    process."""
 
     def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
         super().__init__(timeout_s)
         self._process: Any = None
         self._jobs: Any = None
         self._results: Any = None
-        self._pending: Dict[int, Tuple[AsyncRequest, float]] = {}
+        # token -> (request, when its write started in the writer; None while it waits its turn)
+        self._pending: Dict[int, Tuple[AsyncRequest, Optional[float]]] = {}
         self._next = 0
         self._known_arenas: Set[int] = set()  # staging arenas the current process was sent
 
@@ -294,13 +298,18 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         forget = sorted(known - live_arena_ids())
         self._known_arenas = known - set(forget)
-        self._pending[token] = (request, time.monotonic())
+        self._pending[token] = (request, None)
         self._jobs.put((token, forget, payload))
 
     def _collect(self, wait_s: float) -> None:
+        """One message of the writer: a job started (its timeout starts), or a job's outcome."""
         try:
             token, kind, value = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
         except queue_module.Empty:
+            return
+        if kind == "started":
+            if token in self._pending:
+                self._pending[token] = (self._pending[token][0], time.monotonic())
             return
         entry = self._pending.pop(token, None)
         if entry is None:
@@ -331,7 +340,7 @@ class PersistentAsyncCaller(AsyncCaller):
                            else f"exited with code {code}")
                     self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) {how}")
                 break
-            if time.monotonic() - started >= self.timeout_s:
+            if started is not None and time.monotonic() - started >= self.timeout_s:
                 self._process.kill()
                 self._process.join()
                 self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) did not finish "
