@@ -343,7 +343,7 @@ class CheckpointManager:
                 failures.append(f"{directory.name}: {why}")
                 continue
             self._loaded(candidate)
-            return outcome  # type: ignore[no-any-return]
+            return outcome
         raise CheckpointNotFoundError(
             f"no loadable checkpoint in {self.root}" + (f": {'; '.join(failures)}" if failures else
                                                          " (no committed iter_XXXXXXX directory, no tracker)"))

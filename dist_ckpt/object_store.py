@@ -11,12 +11,28 @@ it. Layout of a checkpoint saved by dist_ckpt at URL ``U``::
 A save writes into a local scratch directory (``DIST_CKPT_SCRATCH``, default the system's
 temporary directory; the same path on every rank), every rank uploads the files it wrote to
 ``U/dist_ckpt-save-<id>/``, and only when all have, the coordinator PUTs ``U/metadata.json``:
-one PUT, which readers see whole or not at all. Then it deletes what the replaced checkpoint
-had (earlier save directories, checkpoint files at ``U``'s root); other objects are kept.
-A save killed before that PUT leaves ``U/metadata.json`` naming the previous save, whose
-objects are untouched; one killed after it leaves the new one. Objects of an interrupted save
-are removed by the next save to ``U`` or by ``dist-ckpt clean U``. One writer per URL at a
-time: object stores have no lock that dies with its process.
+one PUT, which readers see whole or not at all. A save killed before that PUT leaves
+``U/metadata.json`` naming the previous save, whose objects are untouched; one killed after it
+leaves the new one.
+
+Two writers, and readers, racing one URL:
+
+* the pointer PUT is conditional (S3 conditional writes: ``If-Match`` on the ETag the pointer had
+  when the save began, ``If-None-Match: *`` when there was none): of two saves racing, exactly
+  one commits; the other gets ``ConcurrentSaveError`` and removes its own objects. Stores
+  without conditional writes (any fsspec protocol other than S3) get a lock object
+  ``U/dist_ckpt-writer.json`` instead, checked and written when a save begins: it narrows the
+  race but cannot close it (a check and a write are two requests) - one writer per URL there;
+* what a commit replaces is deleted one generation later: after save N commits, the save
+  directories other than N and the one N replaced (named in the pointer as
+  ``dist_ckpt_previous``) go, and never one younger than ``SAVE_GRACE_S`` (its save may still
+  be uploading), so a reader that read the previous pointer finishes its download;
+* a load whose objects vanished while it downloaded (two commits happened meanwhile) reads the
+  pointer again, once, and loads what it names then.
+
+Objects of an interrupted save are removed by a later save to ``U`` or by ``dist-ckpt clean U``
+once older than the grace period. Checkpoint files at ``U``'s root (a plain directory upload
+the first save replaced) are removed right after that commit.
 
 A load copies the objects of the save ``U/metadata.json`` names into a local cache once per
 machine (``DIST_CKPT_CACHE``, default ``~/.cache/dist_ckpt``; ranks of one machine share it,
@@ -48,16 +64,19 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
-from .commit import OVERWRITE_HINT, checkpoint_entries_of
+from .commit import OVERWRITE_HINT, ConcurrentSaveError, checkpoint_entries_of
 from .formats import describe_foreign, foreign_format_of
 from .interrupts import interrupts_deferred
+from .locations import TRACKER_FNAME
 from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
 
@@ -71,6 +90,8 @@ __all__ = [
     "DEADLINE_ENV",
     "SAVE_DIR_PREFIX",
     "POINTER_FIELD",
+    "PREVIOUS_FIELD",
+    "SAVE_GRACE_S",
     "is_url",
     "StoreLocation",
     "open_location",
@@ -89,6 +110,13 @@ __all__ = [
 
 SAVE_DIR_PREFIX = "dist_ckpt-save-"
 POINTER_FIELD = "dist_ckpt_data"
+PREVIOUS_FIELD = "dist_ckpt_previous"  # the save the pointer's save replaced: kept one generation more
+WRITER_LOCK = "dist_ckpt-writer.json"  # stores without conditional writes: who is saving (best effort)
+#: a save directory younger than this is never removed by another save's cleanup (it may still be
+#: uploading); DIST_CKPT_SAVE_GRACE_S overrides it
+SAVE_GRACE_S = 3600.0
+_SAVE_TIME = re.compile(rf"^{SAVE_DIR_PREFIX}(\d{{8}}T\d{{6}})-")
+_CONDITIONAL_PROTOCOLS = ("s3", "s3a")
 # Bounded retries and timeouts: a refusing or unreachable endpoint ends in an error within
 # seconds, not a hang (s3fs itself retries a call 5 times, ~2 s of back-off in all; botocore
 # would add up to 5 attempts of its own to each).
@@ -104,6 +132,10 @@ PathOrUrl = Union[str, os.PathLike]
 
 class StorageError(CheckpointingException, OSError):
     """A URL's storage refused or failed a request (after the bounded retries)."""
+
+
+class _PreconditionFailed(StorageError):
+    """A conditional write found the object changed (another writer committed)."""
 
 
 def is_url(path: Any) -> bool:
@@ -123,6 +155,18 @@ def _storage_errors(url: str, doing: str, deadline_s: Optional[float] = None) ->
         yield
     except CheckpointingException:
         raise
+    except OSError as e:
+        if "pre-condition" in str(e) or "PreconditionFailed" in str(e):
+            raise _PreconditionFailed(f"{url}: {doing}: the object changed since it was read ({e})") from None
+        if isinstance(e, TimeoutError):
+            within = f"within {deadline_s:.0f} s" if deadline_s is not None else "in time"
+            raise StorageError(f"{url}: {doing} got no answer {within} ({type(e).__name__}); the storage is stalled "
+                               f"or unreachable (the deadline: storage_options={{'{DEADLINE_OPTION}': seconds}} or "
+                               f"{DEADLINE_ENV})") from None
+        if isinstance(e, FileNotFoundError):
+            raise CheckpointNotFoundError(f"{url}: {doing} failed, not found ({e})") from None
+        raise StorageError(f"{url}: {doing} failed ({type(e).__name__}: {e}); check the endpoint, "
+                           f"credentials and bucket (storage_options= or AWS_* variables)") from None
     except TimeoutError as e:  # fsspec's FSTimeoutError (our deadline), or the client's own
         within = f"within {deadline_s:.0f} s" if deadline_s is not None else "in time"
         raise StorageError(f"{url}: {doing} got no answer {within} ({type(e).__name__}); the storage is stalled or "
@@ -200,6 +244,17 @@ def _deadline_of(url: str, storage_options: Optional[Mapping[str, Any]]) -> floa
     return deadline
 
 
+def _pointer_etag(loc: StoreLocation) -> Optional[str]:
+    """The pointer's ETag now (None: no pointer), for the conditional commit."""
+    loc.fs.invalidate_cache(loc.path)
+    try:
+        info = loc.call(f"reading {CONFIG_FNAME}'s ETag", "info", loc.child(CONFIG_FNAME))
+    except CheckpointNotFoundError:
+        return None
+    etag = info.get("ETag") or info.get("etag")
+    return str(etag) if etag else None
+
+
 def _read_pointer(loc: StoreLocation) -> Optional[Dict[str, Any]]:
     """``U/metadata.json`` as a dict, or None when there is none."""
     try:
@@ -233,6 +288,28 @@ def _listing(loc: StoreLocation, prefix: str, skip_save_dirs: bool) -> Dict[str,
     return out
 
 
+def _new_save_name() -> str:
+    """``dist_ckpt-save-<UTC time>-<random>``: the time tells other writers its age (grace period)."""
+    return f"{SAVE_DIR_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
+
+
+def _save_grace_s() -> float:
+    try:
+        return float(os.environ.get("DIST_CKPT_SAVE_GRACE_S", SAVE_GRACE_S))
+    except ValueError:
+        return SAVE_GRACE_S
+
+
+def _is_young(save_name: str) -> bool:
+    """Started less than the grace period ago (by the time in its name; names without one -
+    saves of earlier releases - count as old)."""
+    match = _SAVE_TIME.match(save_name)
+    if match is None:
+        return False
+    started = time.mktime(time.strptime(match.group(1), "%Y%m%dT%H%M%S")) - time.timezone
+    return time.time() - started < _save_grace_s()
+
+
 def _cache_root() -> Path:
     return Path(os.environ.get("DIST_CKPT_CACHE") or Path.home() / ".cache" / "dist_ckpt")
 
@@ -254,8 +331,40 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def local_copy(url: str, storage_options: Optional[Mapping[str, Any]] = None, refresh: bool = False) -> Path:
     """A local directory holding the checkpoint at ``url`` (downloaded once per machine;
-    ``refresh``: downloaded again even if cached, as ``validate`` does to check the store's bytes)."""
+    ``refresh``: downloaded again even if cached, as ``validate`` does to check the store's bytes).
+
+    If the objects of the save the pointer named vanish during the download (two commits by
+    another writer meanwhile: replaced data is kept one generation), the pointer is read again,
+    once, and what it names then is downloaded."""
     loc = open_location(url, storage_options)
+    try:
+        return _local_copy(loc, url, refresh)
+    except CheckpointNotFoundError as first:
+        pointer = _read_pointer(loc)
+        if pointer is None or not isinstance(pointer.get(POINTER_FIELD), str):
+            raise
+        logger.warning("%s: %s; reading the pointer again (another writer committed meanwhile?)", url, first)
+        return _local_copy(loc, url, refresh)
+
+
+def _refuse_root_of_checkpoints(loc: StoreLocation, objects: Dict[str, Dict[str, Any]]) -> None:
+    """A prefix holding checkpoints below it (``run/iter_0000100/metadata.json``...) or
+    Megatron-LM's tracker, and no checkpoint of its own, is a run root: refused before anything
+    is downloaded (it could be terabytes)."""
+    top = {rel for rel in objects if "/" not in rel}
+    if CONFIG_FNAME in top or foreign_format_of(top) is not None or "common.pt" in top:
+        return
+    below = sorted({rel.split("/", 1)[0] for rel in objects
+                    if rel.count("/") >= 1 and rel.rsplit("/", 1)[-1] in (CONFIG_FNAME, ".metadata")})
+    if below or TRACKER_FNAME in top:
+        names = ", ".join(below[:5]) + (", ..." if len(below) > 5 else "")
+        example = loc.child_url(below[-1]) if below else f"{loc.url}/iter_XXXXXXX"
+        raise CheckpointNotFoundError(f"{loc.url} is not a checkpoint but a root of checkpoints "
+                                      f"({names or TRACKER_FNAME}); load one of them, e.g. {example}; nothing was "
+                                      f"downloaded")
+
+
+def _local_copy(loc: StoreLocation, url: str, refresh: bool) -> Path:
     pointer = _read_pointer(loc)
     if pointer is not None and isinstance(pointer.get(POINTER_FIELD), str):
         name = pointer[POINTER_FIELD]
@@ -270,6 +379,7 @@ def local_copy(url: str, storage_options: Optional[Mapping[str, Any]] = None, re
     else:
         prefix = loc.path
         objects = _listing(loc, prefix, skip_save_dirs=True)
+        _refuse_root_of_checkpoints(loc, objects)
         digest = hashlib.sha256(json.dumps(sorted(
             (rel, info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("mtime") or ""))
             for rel, info in objects.items()
@@ -286,6 +396,8 @@ def local_copy(url: str, storage_options: Optional[Mapping[str, Any]] = None, re
             shutil.rmtree(target, ignore_errors=True)
         if target.is_dir():  # another rank of this machine downloaded it meanwhile
             return target
+        for stale in url_dir.glob(".partial-*"):  # under the lock: left by a download that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         partial = url_dir / f".partial-{key}-{uuid.uuid4().hex[:8]}"
         try:
             remote = [f"{prefix}/{rel}" for rel in objects]
@@ -329,6 +441,10 @@ class RemoteSave:
     storage_options: Dict[str, Any]
     overwrite: Optional[bool] = None
     committed: bool = False  # the pointer names this save: its objects are the checkpoint now
+    # the pointer when the save began: its ETag (the commit's condition) and the save it named
+    pointer_etag: Optional[str] = None
+    previous_save: Optional[str] = None
+    had_pointer: bool = False
 
     @property
     def scratch(self) -> Path:
@@ -351,11 +467,33 @@ class RemoteSave:
                                         f"this save was not committed ({OVERWRITE_HINT})")
         content = json.loads(config_bytes(config))
         content[POINTER_FIELD] = self.save_name
+        if self.previous_save:
+            content[PREVIOUS_FIELD] = self.previous_save
+        condition: Dict[str, Any] = {}
+        if loc.url.split("://", 1)[0] in _CONDITIONAL_PROTOCOLS:
+            condition = {"IfMatch": self.pointer_etag} if self.pointer_etag else {"IfNoneMatch": "*"}
         with interrupts_deferred():  # a Ctrl-C must not send abort() after the PUT
-            loc.call(f"writing {CONFIG_FNAME} (the commit)", "pipe_file", loc.child(CONFIG_FNAME),
-                     json.dumps(content).encode())
+            try:
+                loc.call(f"writing {CONFIG_FNAME} (the commit)", "pipe_file", loc.child(CONFIG_FNAME),
+                         json.dumps(content).encode(), **condition)
+            except _PreconditionFailed:
+                raise ConcurrentSaveError(
+                    f"another writer committed a checkpoint at {self.url} while this save ran; this save was not "
+                    f"committed and its objects are removed (the other checkpoint is intact; one writer per URL)"
+                ) from None
             self.committed = True
-        _remove_replaced(loc, keep=self.save_name)
+        self._release_writer_lock(loc)
+        _remove_replaced(loc, keep={self.save_name, self.previous_save or ""})
+
+    def _release_writer_lock(self, loc: StoreLocation) -> None:
+        if loc.url.split("://", 1)[0] in _CONDITIONAL_PROTOCOLS:
+            return
+        try:
+            lock = json.loads(loc.call("reading the writer lock", "cat_file", loc.child(WRITER_LOCK)))
+            if lock.get("save") == self.save_name:
+                loc.call("removing the writer lock", "rm", loc.child(WRITER_LOCK))
+        except (CheckpointingException, ValueError) as e:
+            logger.debug("%s: writer lock not removed: %s", self.url, e)
 
     def abort(self) -> None:
         """Coordinator: remove what this save uploaded (best effort; ``clean_url`` later), unless
@@ -365,6 +503,7 @@ class RemoteSave:
             return
         try:
             loc = self.location()
+            self._release_writer_lock(loc)
             loc.call(f"removing {self.save_name}", "rm", loc.child(self.save_name), recursive=True)
         except Exception as e:  # already gone, or the store is unreachable: the next save cleans
             logger.debug("could not remove %s/%s: %s", self.url, self.save_name, e)
@@ -413,8 +552,9 @@ def new_scratch_dir(what: str) -> Path:
     return path
 
 
-def _remove_replaced(loc: StoreLocation, keep: str) -> List[str]:
-    """After the commit: other save directories and a replaced plain checkpoint's files."""
+def _remove_replaced(loc: StoreLocation, keep: Set[str]) -> List[str]:
+    """After the commit: other save directories (but ``keep``: the new one and the one it
+    replaced, and young ones) and a replaced plain checkpoint's files."""
     loc.fs.invalidate_cache(loc.path)
     removed = _remove_interrupted(loc, keep)
     root_files = {rel for rel in _listing(loc, loc.path, skip_save_dirs=True) if rel != CONFIG_FNAME}
@@ -427,8 +567,9 @@ def _remove_replaced(loc: StoreLocation, keep: str) -> List[str]:
 
 
 def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Optional[Mapping[str, Any]]) -> RemoteSave:
-    """Coordinator: check the target, pick the save id, make the scratch directory."""
+    """Coordinator: check the target, note the pointer (the commit's condition), pick the save id."""
     loc = open_location(url, storage_options)
+    etag = _pointer_etag(loc)
     pointer = _read_pointer(loc)
     if pointer is not None:
         if overwrite is False:
@@ -449,13 +590,34 @@ def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Opti
                 f"{url} holds a {describe_foreign(foreign)} written by another tool (not a dist_ckpt save); nothing "
                 f"was written. Save to another URL, or pass overwrite=True to replace it (its files of other "
                 f"formats are kept)")
-        _remove_interrupted(loc, keep="")
-    remote = RemoteSave(loc.url, f"{SAVE_DIR_PREFIX}{uuid.uuid4().hex[:12]}", dict(storage_options or {}), overwrite)
+        _remove_interrupted(loc, keep=set())
+    current = pointer.get(POINTER_FIELD) if pointer else None
+    remote = RemoteSave(loc.url, _new_save_name(), dict(storage_options or {}), overwrite, pointer_etag=etag,
+                        previous_save=current if isinstance(current, str) else None, had_pointer=pointer is not None)
+    if loc.url.split("://", 1)[0] not in _CONDITIONAL_PROTOCOLS:
+        _take_writer_lock(loc, remote.save_name)
     return remote
 
 
-def _remove_interrupted(loc: StoreLocation, keep: str) -> List[str]:
-    """Save directories other than ``keep``: left by saves killed before their commit."""
+def _take_writer_lock(loc: StoreLocation, save_name: str) -> None:
+    """Stores without conditional writes: refuse when another save holds the lock object (and
+    is younger than the grace period), then write ours. Best effort: two requests, not atomic."""
+    try:
+        held = json.loads(loc.call("reading the writer lock", "cat_file", loc.child(WRITER_LOCK))).get("save", "")
+    except CheckpointNotFoundError:
+        held = ""
+    except ValueError:
+        held = ""
+    if held and held != save_name and _is_young(held):
+        raise ConcurrentSaveError(f"another save ({held}) is writing {loc.url} right now ({WRITER_LOCK}); wait for it "
+                                  f"or save elsewhere (this store has no conditional writes: one writer per URL)")
+    loc.call("writing the writer lock", "pipe_file", loc.child(WRITER_LOCK),
+             json.dumps({"save": save_name, "host": os.uname().nodename, "pid": os.getpid()}).encode())
+
+
+def _remove_interrupted(loc: StoreLocation, keep: Set[str]) -> List[str]:
+    """Save directories other than ``keep`` and older than the grace period (a younger one may
+    belong to a save still uploading): left by saves killed before their commit, or replaced."""
     try:
         children = loc.call("listing objects", "ls", loc.path, detail=False)
     except CheckpointNotFoundError:
@@ -463,7 +625,7 @@ def _remove_interrupted(loc: StoreLocation, keep: str) -> List[str]:
     removed = []
     for child in children:
         name = child.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(SAVE_DIR_PREFIX) and name != keep:
+        if name.startswith(SAVE_DIR_PREFIX) and name not in keep and not _is_young(name):
             loc.call(f"removing {name}", "rm", child, recursive=True)
             removed.append(name)
     return removed
@@ -475,8 +637,8 @@ def clean_url(url: str, storage_options: Optional[Mapping[str, Any]] = None) -> 
     pointer = _read_pointer(loc)
     if pointer is None and not _listing(loc, loc.path, skip_save_dirs=False):
         raise CheckpointNotFoundError(f"{url}: nothing there")
-    keep = pointer.get(POINTER_FIELD, "") if pointer else ""
-    return [f"{loc.url}/{name}" for name in _remove_interrupted(loc, str(keep))]
+    keep = {str(pointer.get(POINTER_FIELD, "")), str(pointer.get(PREVIOUS_FIELD, ""))} if pointer else set()
+    return [f"{loc.url}/{name}" for name in _remove_interrupted(loc, keep)]
 
 
 def files_owned(entries_per_rank: List[List[Any]], listing: Set[str], coordinator: int) -> List[List[str]]:

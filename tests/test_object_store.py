@@ -22,7 +22,7 @@ import torch
 import dist_ckpt
 from dist_ckpt.cli import main as cli
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.object_store import POINTER_FIELD, SAVE_DIR_PREFIX, StorageError
+from dist_ckpt.object_store import POINTER_FIELD, PREVIOUS_FIELD, SAVE_DIR_PREFIX, StorageError
 from dist_helpers import run_distributed
 from model_utils import MODEL, global_tensor, sharded_model
 from s3_server import free_port, moto_server
@@ -33,8 +33,11 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory):
     """A moto S3 server process; the AWS variables point every process of the test at it."""
+    # grace 0: interrupted saves' leftovers are removed by the next save at once (a grace period
+    # protects other writers' uploads; test_object_store_concurrency tests it)
     with moto_server({"DIST_CKPT_CACHE": str(tmp_path_factory.mktemp("cache")),
-                      "DIST_CKPT_SCRATCH": str(tmp_path_factory.mktemp("scratch"))}) as endpoint:
+                      "DIST_CKPT_SCRATCH": str(tmp_path_factory.mktemp("scratch")),
+                      "DIST_CKPT_SAVE_GRACE_S": "0"}) as endpoint:
         yield endpoint
 
 
@@ -101,11 +104,14 @@ def _flat(d, prefix=()):
 def test_multi_rank_save_to_s3_and_resharded_loads(bucket, tmp_path, capsys):
     url = f"s3://{bucket}/run/iter_0000002"
     assert run_distributed(_save_twice, 2, url) == [True, True]
-    # the layout: one save directory (the first save's was removed after the second committed)
+    # the layout: the pointer, its save directory and the one it replaced (kept one generation
+    # for readers of the previous pointer)
     keys = _objects(bucket)
     pointer = json.loads(_get(bucket, "run/iter_0000002/metadata.json"))
     assert keys == sorted(k for k in keys if k == "run/iter_0000002/metadata.json"
-                          or k.startswith(f"run/iter_0000002/{pointer[POINTER_FIELD]}/"))
+                          or k.startswith(f"run/iter_0000002/{pointer[POINTER_FIELD]}/")
+                          or k.startswith(f"run/iter_0000002/{pointer[PREVIOUS_FIELD]}/"))
+    assert len({k.split("/")[2] for k in keys if k.count("/") > 2}) == 2
     assert pointer["sharded_backend"] == "torch_dist" and pointer[POINTER_FIELD].startswith(SAVE_DIR_PREFIX)
     assert run_distributed(_load_resharded, 3, url, 2) == [True] * 3
     assert run_distributed(_load_resharded, 1, url, 2) == [True]
@@ -283,18 +289,19 @@ def test_killed_save_leaves_the_old_or_the_new_checkpoint(bucket, capsys):
         if code == 0:
             assert got == value
         last = got
-    # the leftovers of interrupted saves: listed by clean, never the committed save
-    pointer = json.loads(_get(bucket, "ckpt/metadata.json"))[POINTER_FIELD]
+    # the leftovers of interrupted saves: listed by clean, never the committed save (nor the one
+    # it replaced, kept one generation for readers of the previous pointer)
+    pointer = json.loads(_get(bucket, "ckpt/metadata.json"))
     capsys.readouterr()
     assert cli(["clean", url]) == 0
     assert _loaded_value(url) == last
     save_dirs = {k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.count("/") > 1}
-    assert save_dirs == {pointer}
-    # and the next save succeeds and leaves exactly one save directory
+    assert save_dirs == {pointer[POINTER_FIELD], pointer[PREVIOUS_FIELD]} - {None}
+    # and the next save succeeds and leaves exactly two save directories: its own and the previous
     assert _run_save(url, "mid-upload", 20.0) == 9
     assert _run_save(url, "none", 21.0) == 0
     assert _loaded_value(url) == 21.0
-    assert len({k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.count("/") > 1}) == 1
+    assert len({k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.count("/") > 1}) == 2
 
 
 class _Refusing(http.server.BaseHTTPRequestHandler):

@@ -5,10 +5,16 @@ manager, and the smaller object-store items."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,3 +141,194 @@ def test_a_stalled_server_fails_loads_and_saves_within_the_deadline(bucket, s3_e
     for name, message, seconds in results:
         assert name == "StorageError" and f"s3://{bucket}/other" in message and seconds < 15, results
     assert _value(dist_ckpt.load(_state(0.0), url)) == 1.0  # the server answers again: nothing lost
+
+
+# -- 18.7: a second writer, and a reader, racing a commit -------------------------------------------
+
+_GATED_WRITER = textwrap.dedent('''
+    import os, sys, time, torch, dist_ckpt
+    from dist_ckpt import ShardedTensor, object_store
+    url, value, ready, gate = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    real_commit = object_store.RemoteSave.commit
+    def commit(self, config):  # every object uploaded; the pointer PUT waits for the test
+        open(ready, "w").close()
+        while not os.path.exists(gate):
+            time.sleep(0.01)
+        real_commit(self, config)
+    object_store.RemoteSave.commit = commit
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), value)), "v": value}
+    try:
+        dist_ckpt.save(state, url)
+    except dist_ckpt.CheckpointingException as e:
+        print(type(e).__name__, e, flush=True)
+        sys.exit(2)
+    print("committed", flush=True)
+''')
+
+
+def _wait_for(path: Path, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _race_two_writers(url: str, tmp: Path, values) -> dict:
+    """Both writers upload everything and stop before the pointer PUT; A commits, then B tries."""
+    procs = {}
+    for name, value in zip("AB", values):
+        procs[name] = subprocess.Popen([sys.executable, "-c", _GATED_WRITER, url, str(value), str(tmp / f"ready{name}"),
+                                        str(tmp / f"gate{name}")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True)
+    for name in "AB":
+        _wait_for(tmp / f"ready{name}")
+    (tmp / "gateA").touch()
+    out_a = procs["A"].communicate(timeout=120)
+    (tmp / "gateB").touch()
+    out_b = procs["B"].communicate(timeout=120)
+    for name in "AB":
+        (tmp / f"ready{name}").unlink()
+        (tmp / f"gate{name}").unlink()
+    return {"A": (procs["A"].returncode, out_a[0]), "B": (procs["B"].returncode, out_b[0] + out_b[1][-2000:])}
+
+
+def test_two_writers_racing_one_url_exactly_one_commits(bucket, tmp_path):
+    """18.7: before, both PUT the pointer, and the winner's cleanup deleted the other's data
+    (or the loser's cleanup the winner's): the pointer named deleted objects."""
+    from dist_ckpt.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
+
+    url = f"s3://{bucket}/ckpt"
+    for round_, values in enumerate([(1.0, 2.0), (3.0, 4.0)]):  # no pointer yet (If-None-Match), then If-Match
+        outcome = _race_two_writers(url, tmp_path, values)
+        assert outcome["A"] == (0, "committed\n"), outcome
+        code, text = outcome["B"]
+        assert code == 2 and text.startswith("ConcurrentSaveError") and url in text, outcome
+        assert "another writer committed" in text
+        assert _value(dist_ckpt.load(_state(0.0), url)) == values[0]  # the winner, whole
+        pointer = json.loads(boto3_get(bucket, "ckpt/metadata.json"))
+        save_dirs = {k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.startswith(f"ckpt/{SAVE_DIR_PREFIX}")}
+        assert pointer[POINTER_FIELD] in save_dirs
+        assert len(save_dirs) == 1 + round_  # the loser removed its own objects; the replaced one kept a generation
+
+
+def boto3_get(bucket: str, key: str) -> bytes:
+    import boto3
+
+    return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_a_young_save_directory_of_another_writer_survives_a_commit(bucket, tmp_path):
+    """The winner's cleanup never removes a save younger than the grace period (B still uploads)."""
+    from dist_ckpt.object_store import SAVE_DIR_PREFIX
+
+    url = f"s3://{bucket}/ckpt"
+    dist_ckpt.save(_state(1.0), url)
+    proc = subprocess.Popen([sys.executable, "-c", _GATED_WRITER, url, "2.0", str(tmp_path / "ready"),
+                             str(tmp_path / "gate")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "ready")
+    before = {k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.startswith(f"ckpt/{SAVE_DIR_PREFIX}")}
+    for value in (5.0, 6.0):
+        dist_ckpt.save(_state(value), url)  # two generations later: everything old would go
+    after = {k.split("/")[1] for k in _objects(bucket, "ckpt/") if k.startswith(f"ckpt/{SAVE_DIR_PREFIX}")}
+    assert before - after == set() or len(before - after) == 1  # only the first save's directory may go
+    young = [d for d in before if d in after]
+    assert young, (before, after)  # B's (uploading) directory is still there
+    (tmp_path / "gate").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and out.startswith("ConcurrentSaveError"), (out, err[-2000:])
+    assert _value(dist_ckpt.load(_state(0.0), url)) == 6.0
+
+
+def test_a_reader_during_commits_loads_whole(bucket, monkeypatch):
+    """18.7: a reader that read the pointer finishes with that save's objects after one commit
+    (replaced data is deleted one generation later); after two commits its objects are gone and
+    it reads the pointer again, once."""
+    from dist_ckpt import object_store
+
+    monkeypatch.setenv("DIST_CKPT_SAVE_GRACE_S", "0")  # cleanup may remove any directory not kept by generation
+    url = f"s3://{bucket}/ckpt"
+    real_call = object_store.StoreLocation.call
+    proceed = threading.Event()
+    waiting = threading.Event()
+
+    def call(self, doing, method, *args, **kwargs):
+        if method == "get" and threading.current_thread().name == "reader":
+            waiting.set()
+            assert proceed.wait(120)
+        return real_call(self, doing, method, *args, **kwargs)
+
+    monkeypatch.setattr(object_store.StoreLocation, "call", call)
+
+    def read_while(commits) -> float:
+        result = {}
+        proceed.clear(), waiting.clear()
+        reader = threading.Thread(target=lambda: result.update(path=object_store.local_copy(url)), name="reader")
+        reader.start()
+        assert waiting.wait(60)  # the reader has read the pointer and is about to download
+        for value in commits:
+            dist_ckpt.save(_state(value), url)
+        proceed.set()
+        reader.join(120)
+        return _value(dist_ckpt.load(_state(0.0), str(result["path"])))
+
+    dist_ckpt.save(_state(1.0), url)
+    dist_ckpt.save(_state(2.0), url)
+    assert read_while([3.0]) == 2.0  # the pointer it read still names whole objects
+    assert read_while([4.0, 5.0]) == 5.0  # they vanished: the pointer read again
+
+
+def test_stores_without_conditional_writes_refuse_a_second_writer_by_a_lock_object():
+    """memory:// has no conditional PUT: a lock object names the save in flight (best effort)."""
+    from dist_ckpt.commit import ConcurrentSaveError
+    from dist_ckpt.object_store import begin_remote_save
+
+    url = f"memory://locks-{uuid.uuid4().hex[:8]}/ckpt"
+    first = begin_remote_save(url, None, None)
+    with pytest.raises(ConcurrentSaveError, match="another save .* is writing"):
+        begin_remote_save(url, None, None)
+    first.abort()  # its end releases the lock
+    second = begin_remote_save(url, None, None)
+    second.abort()
+    dist_ckpt.save(_state(7.0), url)  # a whole save takes and releases it
+    assert _value(dist_ckpt.load(_state(0.0), url)) == 7.0
+    dist_ckpt.save(_state(8.0), url)
+    assert _value(dist_ckpt.load(_state(0.0), url)) == 8.0
+
+
+# -- 18.12: a run root given as a checkpoint URL; leftover partial downloads ------------------------
+
+
+def test_a_url_that_is_a_run_root_is_refused_before_any_download(bucket, monkeypatch):
+    from dist_ckpt import object_store
+    from dist_ckpt.manager import TRACKER_FNAME
+
+    import boto3
+
+    for step in (100, 200):
+        dist_ckpt.save(_state(float(step)), f"s3://{bucket}/run/iter_{step:07d}")
+    boto3.client("s3").put_object(Bucket=bucket, Key=f"run/{TRACKER_FNAME}", Body=b"200")
+    downloads = []
+    real_call = object_store.StoreLocation.call
+    monkeypatch.setattr(object_store.StoreLocation, "call",
+                        lambda self, doing, method, *a, **k: (downloads.append(method) if method == "get" else None)
+                        or real_call(self, doing, method, *a, **k))
+    with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="root of checkpoints .*iter_0000100, iter_0000200") as info:
+        dist_ckpt.load(_state(0.0), f"s3://{bucket}/run")
+    assert "nothing was downloaded" in str(info.value) and downloads == []
+    assert _value(dist_ckpt.load(_state(0.0), f"s3://{bucket}/run/iter_0000200")) == 200.0
+
+
+def test_leftover_partial_downloads_are_pruned(bucket):
+    import hashlib
+
+    from dist_ckpt.object_store import _cache_root, open_location
+
+    url = f"s3://{bucket}/ckpt"
+    dist_ckpt.save(_state(1.0), url)
+    url_dir = _cache_root() / hashlib.sha256(open_location(url).url.encode()).hexdigest()[:16]
+    stale = url_dir / ".partial-dist_ckpt-save-x-1234abcd"  # a download killed mid-way
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "blob").write_bytes(b"x" * 1000)
+    dist_ckpt.save(_state(2.0), url)
+    assert _value(dist_ckpt.load(_state(0.0), url)) == 2.0
+    assert not stale.exists() and not list(url_dir.glob(".partial-*"))
