@@ -67,11 +67,12 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
 from .commit import OVERWRITE_HINT, ConcurrentSaveError, checkpoint_entries_of
 from .formats import describe_foreign, foreign_format_of
@@ -98,6 +99,8 @@ __all__ = [
     "local_copy",
     "localize",
     "RemoteSave",
+    "WriteThenUpload",
+    "written_files",
     "begin_remote_save",
     "clean_url",
     "files_owned",
@@ -432,6 +435,10 @@ def localize(path: PathOrUrl, storage_options: Optional[Mapping[str, Any]] = Non
     return _local_path(path)
 
 
+_SAVE_LOCATIONS: Dict[Any, StoreLocation] = {}
+_SAVE_LOCATIONS_LOCK = threading.Lock()
+
+
 @dataclass
 class RemoteSave:
     """One save to a URL: its local scratch directory and its save directory in the store."""
@@ -451,7 +458,17 @@ class RemoteSave:
         return _scratch_root() / self.save_name
 
     def location(self) -> StoreLocation:
-        return open_location(self.url, self.storage_options)
+        """The store, its client reused by the saves of this process to this URL (a new S3
+        client costs about half a second of the training thread's finalization)."""
+        key = (os.getpid(), self.url, json.dumps(self.storage_options, sort_keys=True, default=str),
+               tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+        with _SAVE_LOCATIONS_LOCK:
+            loc = _SAVE_LOCATIONS.get(key)
+            if loc is None:
+                if len(_SAVE_LOCATIONS) >= 16:
+                    _SAVE_LOCATIONS.clear()
+                loc = _SAVE_LOCATIONS[key] = open_location(self.url, self.storage_options)
+        return loc
 
     def upload(self, names: Sequence[str], source: Optional[Path] = None) -> None:
         """Every rank: its files of the scratch directory (or ``source``) into the save directory."""
@@ -461,7 +478,9 @@ class RemoteSave:
     def commit(self, config: CheckpointingConfig) -> None:
         """Coordinator, after every rank uploaded: the pointer PUT, then the old objects go."""
         loc = self.location()
-        before = _read_pointer(loc)
+        conditional = loc.url.split("://", 1)[0] in _CONDITIONAL_PROTOCOLS
+        # (with a conditional PUT, the condition itself refuses a pointer written meanwhile)
+        before = None if conditional else _read_pointer(loc)
         if self.overwrite is False and before is not None:
             raise CheckpointExistsError(f"another save committed a checkpoint at {self.url} while this one ran; "
                                         f"this save was not committed ({OVERWRITE_HINT})")
@@ -470,7 +489,7 @@ class RemoteSave:
         if self.previous_save:
             content[PREVIOUS_FIELD] = self.previous_save
         condition: Dict[str, Any] = {}
-        if loc.url.split("://", 1)[0] in _CONDITIONAL_PROTOCOLS:
+        if conditional:
             condition = {"IfMatch": self.pointer_etag} if self.pointer_etag else {"IfNoneMatch": "*"}
         with interrupts_deferred():  # a Ctrl-C must not send abort() after the PUT
             try:
@@ -507,6 +526,32 @@ class RemoteSave:
             loc.call(f"removing {self.save_name}", "rm", loc.child(self.save_name), recursive=True)
         except Exception as e:  # already gone, or the store is unreachable: the next save cleans
             logger.debug("could not remove %s/%s: %s", self.url, self.save_name, e)
+
+
+def written_files(write_result: Any) -> List[str]:
+    """The files a background write reported writing (the ``file`` of the manifest entries it
+    returns, as ``(results, entries)``), or [] for a write that reports none."""
+    try:
+        return sorted({entry.file for entry in write_result[1]})
+    except (TypeError, IndexError, AttributeError, KeyError):
+        return []
+
+
+@dataclass
+class WriteThenUpload:
+    """An asynchronous save's background write to a URL, followed - in the same background
+    thread or writer process - by the upload of the files it wrote (``written_files``). The
+    training thread's finalization then only completes the checkpoint (the coordinator's small
+    files) and PUTs the pointer, instead of uploading every byte while training waits.
+    Picklable (the persistent writer process runs it)."""
+
+    write: Callable[..., Any]
+    remote: RemoteSave
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.write(*args, **kwargs)
+        self.remote.upload(written_files(result))
+        return result
 
 
 def _put(loc: StoreLocation, source: Path, names: Sequence[str], under: str = "") -> None:

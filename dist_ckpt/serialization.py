@@ -23,7 +23,8 @@ import torch
 
 from .collectives import DistWrapper
 from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
-from .object_store import RemoteSave, begin_remote_save, files_owned, is_url, localize, scratch_listing
+from .object_store import RemoteSave, WriteThenUpload, begin_remote_save, files_owned, is_url, localize, \
+    scratch_listing, written_files
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
@@ -207,6 +208,7 @@ class SaveTransaction:
         self.staged: Optional[StagedSave] = None  # the coordinator's
         self.staging: Optional[Path] = None
         self.config: Optional[CheckpointingConfig] = None
+        self.background_write: Optional[AsyncRequest] = None  # an async save to a URL: uploads in the background
 
     def run(self) -> Optional[AsyncRequest]:
         with phase("save: validate"):
@@ -217,6 +219,10 @@ class SaveTransaction:
             with phase("save: write"):
                 request = self.write()
             if request is not None:
+                if self.remote is not None and request.async_fn is not None:
+                    # the upload of what the background write wrote runs there too (not in finalize)
+                    request.async_fn = WriteThenUpload(request.async_fn, self.remote)
+                    self.background_write = request
                 request.add_finalize_fn(self.gather_and_commit)
                 request.add_cleanup_fn(self.abort)
                 return request
@@ -323,7 +329,8 @@ class SaveTransaction:
 
     def _upload_and_commit(self, remote: RemoteSave, entries: List[ManifestEntry]) -> None:
         """A URL target: the coordinator completes the scratch checkpoint, every rank uploads
-        the files it wrote, then the coordinator PUTs the pointer (``object_store``)."""
+        the files it wrote (an asynchronous save's background write has uploaded its data files
+        already: ``WriteThenUpload``), then the coordinator PUTs the pointer (``object_store``)."""
         dist, scratch, config = self.dist, self._staging(), _required(self.config, "the config")
 
         def assign(all_entries: List[List[ManifestEntry]]) -> List[List[str]]:
@@ -331,7 +338,8 @@ class SaveTransaction:
             return files_owned(all_entries, scratch_listing(scratch), dist.coordinator_rank)
 
         mine = dist.reduce_scatter(lambda: entries, assign)
-        dist.all_run(lambda: remote.upload(mine))
+        uploaded = set(written_files(self.background_write.async_result)) if self.background_write is not None else set()
+        dist.all_run(lambda: remote.upload([name for name in mine if name not in uploaded]))
         dist.all_run(lambda: remote.commit(config) if dist.is_coordinator else None)
         shutil.rmtree(scratch, ignore_errors=True)
 

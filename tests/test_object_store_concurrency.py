@@ -332,3 +332,43 @@ def test_leftover_partial_downloads_are_pruned(bucket):
     dist_ckpt.save(_state(2.0), url)
     assert _value(dist_ckpt.load(_state(0.0), url)) == 2.0
     assert not stale.exists() and not list(url_dir.glob(".partial-*"))
+
+
+# -- 18.9: an async save to a URL uploads its data in the background --------------------------------
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writer):
+    from dist_ckpt import object_store
+    from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    puts = []  # (thread name, uploaded names) of this process
+    real_call = object_store.StoreLocation.call
+
+    def call(self, doing, method, *args, **kwargs):
+        if method == "put":
+            puts.append((threading.current_thread().name, [Path(p).name for p in args[0]]))
+        return real_call(self, doing, method, *args, **kwargs)
+
+    monkeypatch.setattr(object_store.StoreLocation, "call", call)
+    url = f"s3://{bucket}/ckpt"
+    queue = AsyncCallsQueue()
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256, 256), float(i))) for i in range(4)}
+    state["v"] = 1.0
+    request = dist_ckpt.save(state, url, sharded_strategy=TorchDistSaveShardedStrategy(async_writer=writer),
+                             async_sharded_save=True)
+    queue.schedule_async_request(request)
+    while not queue._calls[0].caller.is_current_async_call_done(request):
+        time.sleep(0.01)
+    finalize_from = len(puts)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    in_finalize = [n for _, names in puts[finalize_from:] for n in names]
+    assert in_finalize and not [n for n in in_finalize if n.endswith(".distcp")], puts  # no data while training waits
+    assert set(in_finalize) <= {"metadata.json", "common.pt", ".metadata", "dist_ckpt_manifest.json"}, in_finalize
+    if writer == "thread":
+        background = [n for thread, names in puts[:finalize_from] for n in names if thread.startswith("dist_ckpt-async")]
+        assert background and all(n.endswith(".distcp") for n in background), puts
+    loaded = dist_ckpt.load_plain_tensors(url)
+    assert all(torch.equal(loaded[f"t{i}"], torch.full((256, 256), float(i))) for i in range(4))
