@@ -16,38 +16,35 @@ older than every numbered one, by step among themselves.
 from __future__ import annotations
 
 import json
-import logging
-from pathlib import Path
 from typing import Dict, Iterable, List, Tuple
 
-from .commit import atomic_write_bytes
 from .core import CheckpointingException
-
-logger = logging.getLogger(__name__)
+from .run_root import RunRoot
 
 __all__ = ["COMMIT_ORDER_FNAME", "read_commit_order", "record_save_start", "newest_first"]
 
 COMMIT_ORDER_FNAME = "dist_ckpt_commit_order.json"
 
 
-def read_commit_order(root: Path) -> Dict[str, int]:
+def read_commit_order(root: RunRoot) -> Dict[str, int]:
     """Directory name -> sequence number (empty when the root has no record)."""
-    path = root / COMMIT_ORDER_FNAME
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
+    text = root.read_text(COMMIT_ORDER_FNAME)
+    if text is None:
         return {}
-    except (OSError, ValueError) as e:
-        raise CheckpointingException(f"{path} is damaged ({e}); delete it to order checkpoints by step "
+    where = f"{root}/{COMMIT_ORDER_FNAME}"
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise CheckpointingException(f"{where} is damaged ({e}); delete it to order checkpoints by step "
                                      f"number again") from None
     order = raw.get("order") if isinstance(raw, dict) else None
     if not isinstance(order, dict) or not all(isinstance(v, int) for v in order.values()):
-        raise CheckpointingException(f"{path} is not a commit-order record of dist_ckpt; delete it to order "
+        raise CheckpointingException(f"{where} is not a commit-order record of dist_ckpt; delete it to order "
                                      f"checkpoints by step number again")
     return dict(order)
 
 
-def record_save_start(root: Path, name: str, existing: Iterable[str]) -> int:
+def record_save_start(root: RunRoot, name: str, existing: Iterable[str]) -> int:
     """Coordinator, before a save of ``root/name`` starts: give it the next sequence number and
     forget the numbers of directories that no longer exist (``existing``: the root's entries)."""
     order = read_commit_order(root)
@@ -55,7 +52,7 @@ def record_save_start(root: Path, name: str, existing: Iterable[str]) -> int:
     present = set(existing)
     order = {n: s for n, s in order.items() if n in present and n != name}
     order[name] = seq
-    atomic_write_bytes(root / COMMIT_ORDER_FNAME, json.dumps({"order": order}, indent=0, sort_keys=True).encode())
+    root.write_text(COMMIT_ORDER_FNAME, json.dumps({"order": order}, indent=0, sort_keys=True))
     return seq
 
 

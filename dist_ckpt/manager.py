@@ -3,6 +3,8 @@
 Layout, exactly Megatron-LM's: ``root/iter_{step:07d}/`` per checkpoint and
 ``root/latest_checkpointed_iteration.txt`` holding the newest step (or ``release``, naming
 ``root/release/``), so Megatron-LM resumes from roots the manager wrote and the other way round.
+The root may be a directory or an object-store URL (``s3://bucket/run``): the tracker, the commit
+order, the listing and retention then go through the store (``run_root``).
 
 Order of a save (``save`` starts it; with ``async_save`` the rest happens in a later
 ``maybe_finalize`` / ``wait`` / ``save``, on every rank together):
@@ -36,15 +38,14 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
 from .locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
 from .collectives import DistWrapper
-from .commit import atomic_write_bytes, checkpoint_entries, fsync_directory
 from .commit_order import newest_first, read_commit_order, record_save_start
-from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
+from .run_root import LocalRunRoot, RunRoot, open_run_root
+from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
 from .mapping import ShardedStateDict, StateDict
 from .serialization import load, save
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
@@ -75,19 +76,21 @@ def checkpoint_dir_name(step: Step) -> str:
     return f"iter_{step:07d}"
 
 
-def read_tracker(root: Union[str, os.PathLike]) -> Optional[Step]:
-    """The step ``latest_checkpointed_iteration.txt`` names (an int or ``release``), or None."""
-    path = Path(root) / TRACKER_FNAME
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
+def read_tracker(root: Union[str, os.PathLike, RunRoot], storage_options: Optional[dict] = None) -> Optional[Step]:
+    """The step ``latest_checkpointed_iteration.txt`` names (an int or ``release``), or None.
+    ``root``: a directory or a URL (``storage_options`` for the latter)."""
+    run_root = root if isinstance(root, RunRoot) else open_run_root(root, storage_options)
+    raw = run_root.read_text(TRACKER_FNAME)
+    if raw is None:
         return None
+    text = raw.strip()
     if text == RELEASE:
         return RELEASE
     try:
         return int(text)
     except ValueError:
-        raise CheckpointingException(f"{path} holds {text[:40]!r}, neither a step nor {RELEASE!r}") from None
+        raise CheckpointingException(f"{run_root}/{TRACKER_FNAME} holds {text[:40]!r}, neither a step nor "
+                                     f"{RELEASE!r}") from None
 
 
 class CheckpointManager:
@@ -95,7 +98,8 @@ class CheckpointManager:
     retention, and resume with fall-back (see the module docstring for the order of events).
 
     Args:
-        root: the directory holding ``iter_XXXXXXX/`` checkpoints and the tracker.
+        root: the directory or object-store URL (``s3://bucket/run``) holding ``iter_XXXXXXX/``
+            checkpoints and the tracker.
         keep_last: how many of the newest committed checkpoints to keep (None: all).
         keep_every: also keep every checkpoint whose step is a multiple of this.
         async_save: write in the background; ``save`` returns after staging.
@@ -103,19 +107,26 @@ class CheckpointManager:
         on_error: "raise" (every rank raises) or "warn" (every rank logs, training continues).
         max_pending: with a save in flight, a new ``save`` waits for it (None) or, when this
             many are in flight, raises ``PendingSaveError``.
+        storage_options: for a URL root: fsspec options (endpoint, credentials, the deadline),
+            for the root's own files and every save and load.
         save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
     """
 
     def __init__(self, root: Union[str, os.PathLike], keep_last: Optional[int] = 3, keep_every: Optional[int] = None,
                  async_save: bool = True, sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
-                 on_error: str = "raise", max_pending: Optional[int] = None, **save_kwargs: Any) -> None:
+                 on_error: str = "raise", max_pending: Optional[int] = None,
+                 storage_options: Optional[dict] = None, **save_kwargs: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
         if keep_every is not None and keep_every < 1:
             raise ValueError(f"keep_every must be positive, got {keep_every}")
-        self.root = Path(os.path.abspath(root))
+        self.location = open_run_root(root, storage_options)
+        #: the root: a Path for a directory, the URL string for an object store
+        self.root: Union[Path, str] = (self.location.root if isinstance(self.location, LocalRunRoot)
+                                       else str(self.location))
+        self.storage_options = storage_options
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
@@ -142,12 +153,12 @@ class CheckpointManager:
             elif len(self._pending) >= self.max_pending:
                 raise PendingSaveError(f"step {self._pending[0]}'s save is still in flight ({len(self._pending)} "
                                        f"pending, max_pending={self.max_pending}); call maybe_finalize() or wait()")
-        target = self.root / name
+        target = self.location.checkpoint(name)
         use_async = self.async_save and not blocking
         try:
             self._record_save_start(name)
             request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
-                           **self.save_kwargs)
+                           **self._storage_kwargs(), **self.save_kwargs)
         except Exception as e:  # every rank raises the same error (save's failures are shared)
             self._failed(step, e)
             return
@@ -162,11 +173,14 @@ class CheckpointManager:
         if blocking:
             self.wait()
 
+    def _storage_kwargs(self) -> dict:
+        return {} if self.storage_options is None else {"storage_options": self.storage_options}
+
     def _record_save_start(self, name: str) -> None:
         def coordinator() -> None:
             if self.dist.is_coordinator:
-                self.root.mkdir(parents=True, exist_ok=True)
-                record_save_start(self.root, name, os.listdir(self.root))
+                self.location.prepare()
+                record_save_start(self.location, name, self.location.entries())
 
         self.dist.all_run(coordinator)
 
@@ -211,8 +225,12 @@ class CheckpointManager:
         self.failed_steps.append(step)
         if self.on_error == "raise":
             raise error
+        try:
+            tracked: Any = read_tracker(self.location)
+        except Exception as e:  # noqa: BLE001 - an unreachable store: the warning still goes out
+            tracked = f"? ({type(e).__name__})"
         logger.warning("checkpoint of step %s to %s failed, training goes on (the tracker still names %s): %s: %s",
-                       step, self.root / checkpoint_dir_name(step), read_tracker(self.root), type(error).__name__, error)
+                       step, self.location.checkpoint(checkpoint_dir_name(step)), tracked, type(error).__name__, error)
 
     def _after_commit(self, step: Step) -> None:
         """Every rank, after the checkpoint of ``step`` committed: tracker, then retention."""
@@ -230,8 +248,7 @@ class CheckpointManager:
     def _write_tracker(self, step: Step) -> None:
         """The step just committed, whatever was named before: saves commit in the order they
         started, so the last commit is the run's newest (a rollback moves the tracker back)."""
-        atomic_write_bytes(self.root / TRACKER_FNAME, str(step).encode())
-        fsync_directory(self.root)
+        self.location.write_text(TRACKER_FNAME, str(step))
 
     def _apply_retention(self) -> List[int]:
         newest = self.commit_order()[::-1]
@@ -240,43 +257,24 @@ class CheckpointManager:
         keep = set(newest[:self.keep_last]) if self.keep_last is not None else set(newest)
         if self.keep_every is not None:
             keep.update(s for s in newest if s % self.keep_every == 0)
-        tracked = read_tracker(self.root)
+        tracked = read_tracker(self.location)
         removed = []
         for s in sorted(newest):
             if s in keep or s == tracked or s in self._pending or s == self._resumed_from:
                 continue
-            self._remove_checkpoint(self.root / checkpoint_dir_name(s))
+            # the files dist_ckpt wrote, metadata.json first; the directory only if then empty
+            self.location.remove_checkpoint(checkpoint_dir_name(s))
             removed.append(s)
         return removed
-
-    @staticmethod
-    def _remove_checkpoint(directory: Path) -> None:
-        """The files dist_ckpt wrote, ``metadata.json`` first (so a reader sees an incomplete
-        checkpoint, never a damaged complete one); the directory only if it is then empty."""
-        (directory / CONFIG_FNAME).unlink(missing_ok=True)
-        fsync_directory(directory)
-        for name in sorted(checkpoint_entries(directory)):
-            path = directory / name
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        try:
-            directory.rmdir()
-        except OSError:
-            logger.info("kept %s: it holds files dist_ckpt did not write (%s)", directory,
-                        ", ".join(sorted(os.listdir(directory))[:5]))
 
     # -- what is there -------------------------------------------------------------------------
 
     def steps(self) -> List[int]:
         """Committed checkpoints' steps, oldest first (``release`` is not a step)."""
-        if not self.root.is_dir():
-            return []
         found = []
-        for entry in os.listdir(self.root):
+        for entry in self.location.committed():
             match = _ITER_DIR.match(entry)
-            if match and (self.root / entry / CONFIG_FNAME).is_file():
+            if match:
                 found.append(int(match.group(1)))
         return sorted(found)
 
@@ -284,14 +282,14 @@ class CheckpointManager:
         """Committed checkpoints' steps in the order they were committed, last committed last
         (``commit_order``; checkpoints from before the record first, by step)."""
         steps = self.steps()
-        return newest_first({s: checkpoint_dir_name(s) for s in steps}, read_commit_order(self.root))[::-1]
+        return newest_first({s: checkpoint_dir_name(s) for s in steps}, read_commit_order(self.location))[::-1]
 
     def _resume_candidates(self) -> List[Step]:
         """What this rank sees: the tracker's step (if committed), then the others, last
         committed first. Only the coordinator's view is used (``latest_step``, ``load``)."""
-        tracked = read_tracker(self.root)
+        tracked = read_tracker(self.location)
         candidates: List[Step] = []
-        if tracked is not None and (self.root / checkpoint_dir_name(tracked) / CONFIG_FNAME).is_file():
+        if tracked is not None and self.location.is_committed(checkpoint_dir_name(tracked)):
             candidates.append(tracked)
         return candidates + [s for s in reversed(self.commit_order()) if s != tracked]
 
@@ -316,15 +314,17 @@ class CheckpointManager:
         not fit it either. Raises ``CheckpointNotFoundError`` if none loads. The step loaded is
         ``loaded_step`` afterwards; retention keeps it until a save of this run has committed."""
         if step is not None:
-            result = load(sharded_state_dict, self.root / checkpoint_dir_name(step), **load_kwargs)
+            result = load(sharded_state_dict, self.location.checkpoint(checkpoint_dir_name(step)),
+                          **self._storage_kwargs(), **load_kwargs)
             self._loaded(step)
             return result  # type: ignore[return-value]
         failures = []
         for candidate in self._coordinators_candidates():
-            directory = self.root / checkpoint_dir_name(candidate)
+            name = checkpoint_dir_name(candidate)
+            directory = self.location.checkpoint(name)
             outcome: Any = None
             try:
-                outcome = load(sharded_state_dict, directory, **load_kwargs)
+                outcome = load(sharded_state_dict, directory, **self._storage_kwargs(), **load_kwargs)
                 verdict = _LOADED
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # the checkpoint's fault, not the request's
                 outcome, verdict = e, _FALL_BACK
@@ -340,7 +340,7 @@ class CheckpointManager:
                 why = (f"{type(outcome).__name__}: {outcome}" if verdict == _FALL_BACK else
                        f"it failed on rank {verdicts.index(_FALL_BACK)}")
                 logger.warning("cannot load %s (%s); trying the next older checkpoint", directory, why)
-                failures.append(f"{directory.name}: {why}")
+                failures.append(f"{name}: {why}")
                 continue
             self._loaded(candidate)
             return outcome

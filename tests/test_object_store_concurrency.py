@@ -372,3 +372,61 @@ def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writ
         assert background and all(n.endswith(".distcp") for n in background), puts
     loaded = dist_ckpt.load_plain_tensors(url)
     assert all(torch.equal(loaded[f"t{i}"], torch.full((256, 256), float(i))) for i in range(4))
+
+
+# -- 18.10: CheckpointManager on an s3:// root ------------------------------------------------------
+
+
+def test_manager_on_an_s3_root_tracker_listing_retention_rollback(bucket, tmp_path, monkeypatch):
+    """18.10: before, CheckpointManager("s3://bucket/run") wrote to a local directory ./s3:/bucket/run."""
+    from dist_ckpt.commit_order import COMMIT_ORDER_FNAME
+    from dist_ckpt.manager import TRACKER_FNAME, CheckpointManager, read_tracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIST_CKPT_SAVE_GRACE_S", "0")
+    root = f"s3://{bucket}/run"
+    import boto3
+
+    boto3.client("s3").put_object(Bucket=bucket, Key="run/iter_0000001/notes.txt", Body=b"not ours")
+    with CheckpointManager(root, keep_last=2, async_save=True) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, _state(float(step)))
+            mgr.maybe_finalize()
+    assert not (tmp_path / "s3:").exists()  # nothing local
+    assert read_tracker(root) == 4 and boto3_get(bucket, f"run/{TRACKER_FNAME}") == b"4"
+    assert mgr.steps() == [3, 4] and mgr.commit_order() == [3, 4]
+    keys = set(_objects(bucket, "run/"))
+    assert f"run/{COMMIT_ORDER_FNAME}" in keys
+    assert not [k for k in keys if k.startswith("run/iter_0000002/")]  # retention removed step 2's objects
+    assert [k for k in keys if k.startswith("run/iter_0000001/")] == ["run/iter_0000001/notes.txt"]  # not ours: kept
+    # resume, roll back to 3, save 5: the tracker follows the new run
+    again = CheckpointManager(root, keep_last=2, async_save=False)
+    assert _value(again.load(_state(0.0))) == 4.0 and again.loaded_step == 4
+    assert _value(again.load(_state(0.0), step=3)) == 3.0
+    again.save(5, _state(5.0))
+    assert read_tracker(root) == 5 and again.commit_order() == [4, 5] and again.latest_step() == 5
+    again.close()
+
+
+def test_a_stalled_server_fails_the_managers_save_and_load_within_the_deadline(bucket, s3_endpoint, caplog):
+    """18.8 for the manager: with on_error="warn" a save against a stopped server is reported
+    once and training goes on; a load raises StorageError naming the URL - within seconds."""
+    from dist_ckpt.manager import CheckpointManager
+    from dist_ckpt.object_store import StorageError
+
+    root = f"s3://{bucket}/run"
+    opts = {"dist_ckpt_deadline_s": 2}
+    with CheckpointManager(root, async_save=False, storage_options=opts) as mgr:
+        mgr.save(1, _state(1.0))
+    mgr = CheckpointManager(root, async_save=True, on_error="warn", storage_options=opts)
+    with _stalled(s3_endpoint):
+        start = time.monotonic()
+        mgr.save(2, _state(2.0))
+        mgr.wait()
+        assert mgr.failed_steps == [2] and time.monotonic() - start < 20
+        start = time.monotonic()
+        with pytest.raises(StorageError, match=f"s3://{bucket}/run.*no answer within 2 s"):
+            mgr.load(_state(0.0))
+        assert time.monotonic() - start < 20
+    mgr.close()
+    assert _value(CheckpointManager(root).load(_state(0.0))) == 1.0

@@ -1,0 +1,188 @@
+"""The root of a run's checkpoints - a local directory or an object-store URL - as the
+``CheckpointManager`` uses it: small files (the tracker, the commit order), which checkpoints
+are committed, and the removal of one checkpoint's own files.
+
+Local roots write small files atomically (write, fsync, rename) and remove a checkpoint's files
+``metadata.json`` first. URL roots (``s3://bucket/run``) do the same through the object store:
+a small file is one PUT (readers see it whole or not at all), a checkpoint is committed when its
+``iter_XXXXXXX/metadata.json`` pointer exists, and removal deletes that pointer first, then the
+checkpoint's save directories and checkpoint files, never other objects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Union
+
+from .commit import atomic_write_bytes, checkpoint_entries, checkpoint_entries_of, fsync_directory
+from .core import CONFIG_FNAME, CheckpointNotFoundError
+from .object_store import SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunRoot", "LocalRunRoot", "UrlRunRoot", "open_run_root"]
+
+
+class RunRoot(ABC):
+    """Call order for a save of ``name`` (the manager's): ``prepare()``, ``write_text`` of the
+    commit order, the save to ``checkpoint(name)``, ``write_text`` of the tracker,
+    ``remove_checkpoint`` of what retention drops."""
+
+    @abstractmethod
+    def prepare(self) -> None:
+        """Make the root exist (before a save's bookkeeping)."""
+
+    @abstractmethod
+    def checkpoint(self, name: str) -> Union[str, Path]:
+        """What ``save``/``load`` are given for the checkpoint directory ``name``."""
+
+    @abstractmethod
+    def read_text(self, name: str) -> Optional[str]:
+        """A small file of the root, or None when it is not there."""
+
+    @abstractmethod
+    def write_text(self, name: str, text: str) -> None:
+        """Replace a small file of the root so that readers see the old or the new one whole."""
+
+    @abstractmethod
+    def entries(self) -> List[str]:
+        """Names directly in the root."""
+
+    @abstractmethod
+    def committed(self) -> List[str]:
+        """Names of the root's committed checkpoint directories (``metadata.json`` inside)."""
+
+    @abstractmethod
+    def is_committed(self, name: str) -> bool:
+        """Whether ``name`` holds a committed checkpoint."""
+
+    @abstractmethod
+    def remove_checkpoint(self, name: str) -> None:
+        """Remove the files dist_ckpt wrote for checkpoint ``name``, ``metadata.json`` first (a
+        reader then sees an incomplete checkpoint, never a damaged complete one)."""
+
+
+class LocalRunRoot(RunRoot):
+    def __init__(self, root: Union[str, os.PathLike]) -> None:
+        self.root = Path(os.path.abspath(root))
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def checkpoint(self, name: str) -> Path:
+        return self.root / name
+
+    def read_text(self, name: str) -> Optional[str]:
+        try:
+            return (self.root / name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        atomic_write_bytes(self.root / name, text.encode())
+        fsync_directory(self.root)
+
+    def entries(self) -> List[str]:
+        return os.listdir(self.root) if self.root.is_dir() else []
+
+    def committed(self) -> List[str]:
+        return [e for e in self.entries() if self.is_committed(e)]
+
+    def is_committed(self, name: str) -> bool:
+        return (self.root / name / CONFIG_FNAME).is_file()
+
+    def remove_checkpoint(self, name: str) -> None:
+        directory = self.root / name
+        (directory / CONFIG_FNAME).unlink(missing_ok=True)
+        fsync_directory(directory)
+        for entry in sorted(checkpoint_entries(directory)):
+            path = directory / entry
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            logger.info("kept %s: it holds files dist_ckpt did not write (%s)", directory,
+                        ", ".join(sorted(os.listdir(directory))[:5]))
+
+
+class UrlRunRoot(RunRoot):
+    def __init__(self, url: str, storage_options: Optional[Mapping[str, Any]] = None) -> None:
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+
+    def __str__(self) -> str:
+        return self.url
+
+    def _loc(self) -> StoreLocation:
+        return open_location(self.url, self.storage_options)  # fresh listings: other writers' objects
+
+    def prepare(self) -> None:
+        """Object stores have no directories to make."""
+
+    def checkpoint(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def read_text(self, name: str) -> Optional[str]:
+        loc = self._loc()
+        try:
+            return bytes(loc.call(f"reading {name}", "cat_file", loc.child(name))).decode()
+        except CheckpointNotFoundError:
+            return None
+
+    def write_text(self, name: str, text: str) -> None:
+        loc = self._loc()
+        loc.call(f"writing {name}", "pipe_file", loc.child(name), text.encode())
+
+    def entries(self) -> List[str]:
+        loc = self._loc()
+        try:
+            children = loc.call("listing the run", "ls", loc.path, detail=False)
+        except CheckpointNotFoundError:
+            return []
+        return [c.rstrip("/").rsplit("/", 1)[-1] for c in children]
+
+    def committed(self) -> List[str]:
+        loc = self._loc()
+        found = loc.call("listing the run's checkpoints", "glob", loc.child(f"*/{CONFIG_FNAME}"))
+        return sorted({p[len(loc.path):].strip("/").split("/")[0] for p in found})
+
+    def is_committed(self, name: str) -> bool:
+        loc = self._loc()
+        return bool(loc.call(f"checking {name}", "exists", loc.child(f"{name}/{CONFIG_FNAME}")))
+
+    def remove_checkpoint(self, name: str) -> None:
+        loc = self._loc()
+        prefix = loc.child(name)
+        try:
+            loc.call(f"removing {name}/{CONFIG_FNAME}", "rm", f"{prefix}/{CONFIG_FNAME}")
+        except CheckpointNotFoundError:
+            pass
+        try:
+            found = loc.call(f"listing {name}", "find", prefix)
+        except CheckpointNotFoundError:
+            return
+        rel = [p[len(prefix):].lstrip("/") for p in found]
+        ours = checkpoint_entries_of([r for r in rel if not r.startswith(SAVE_DIR_PREFIX)])
+        doomed = [f"{prefix}/{r}" for r in rel if r.startswith(SAVE_DIR_PREFIX) or r.split("/", 1)[0] in ours]
+        if doomed:
+            loc.call(f"removing {name}'s objects", "rm", doomed)
+        kept = sorted(set(rel) - {d[len(prefix):].lstrip("/") for d in doomed})
+        if kept:
+            logger.info("kept %s/%s's objects dist_ckpt did not write (%s)", self.url, name, ", ".join(kept[:5]))
+
+
+def open_run_root(root: Union[str, os.PathLike], storage_options: Optional[Mapping[str, Any]] = None) -> RunRoot:
+    """A URL (``s3://...``) or a local directory."""
+    if is_url(root):
+        return UrlRunRoot(str(root), storage_options)
+    return LocalRunRoot(root)
