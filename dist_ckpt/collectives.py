@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .core import CheckpointingException
 
-__all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size"]
+__all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size", "collective_device", "to_collective_device",
+           "empty_for_collective"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -34,6 +35,47 @@ def get_rank(group: Optional[dist.ProcessGroup] = None) -> int:
 
 def get_world_size(group: Optional[dist.ProcessGroup] = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The device tensors handed to a collective of ``group`` must be on: the CPU when the
+    group's backend takes CPU tensors (gloo, a ``cpu:gloo,cuda:nccl`` pair), else the current
+    accelerator (NCCL takes CUDA tensors only; Megatron-Core allocates its exchange buffers on
+    ``torch.cuda.current_device()`` too)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    backend = str(dist.get_backend(group)).lower()
+    pairs = [part.split(":", 1) for part in backend.split(",")]
+    if any(len(pair) == 2 and pair[0] == "cpu" for pair in pairs):
+        return torch.device("cpu")  # an explicit CPU backend in a device:backend list
+    names = [pair[-1] for pair in pairs]
+    capabilities = getattr(dist.Backend, "backend_capability", {})
+    if all("cpu" not in capabilities.get(name, ["cuda"] if name == "nccl" else ["cpu"]) for name in names):
+        return _accelerator_device()
+    return torch.device("cpu")
+
+
+def _accelerator_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _on_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device)
+
+
+def _empty_on(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def to_collective_device(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """``tensor`` (contiguous) on ``collective_device(group)``: itself when already there."""
+    return _on_device(tensor.contiguous(), collective_device(group))
+
+
+def empty_for_collective(shape: Sequence[int], dtype: torch.dtype,
+                         group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """A receive buffer on ``collective_device(group)``."""
+    return _empty_on(tuple(shape), dtype, collective_device(group))
 
 
 @dataclass
@@ -142,9 +184,7 @@ class DistWrapper:
     def all_reduce_min(self, value: int) -> int:
         if not self.use_dist:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
-            t = t.cuda()
+        t = to_collective_device(torch.tensor([value], dtype=torch.int64), self.group)
         self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
         return int(t.item())
 

@@ -16,6 +16,7 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Set, Tuple, TypeV
 import torch
 import torch.distributed as dist
 
+from .collectives import empty_for_collective, to_collective_device
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
@@ -148,16 +149,19 @@ def exchange_loaded_tensors_broadcast(
     shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
 ) -> Dict[ShardId, torch.Tensor]:
     """Every shard is broadcast by the rank that loaded it to the group; each rank keeps the
-    shards it needs (``unloaded_shards``) next to those it loaded. Collective on the group."""
+    shards it needs (``unloaded_shards``) next to those it loaded. Collective on the group.
+    Both sides hand the collective tensors on the device its backend needs
+    (``collectives.collective_device``: CUDA for NCCL, which cannot broadcast CPU tensors); a
+    received shard stays there (the load copies it into its destination)."""
     rank, _ = group_rank_and_size(parallelization_group)
     result = dict(loaded_tensors)
     for sid in sorted(shard_distribution.main_rank_for_shard, key=repr):
         owner = shard_distribution.main_rank_for_shard[sid]
         md = shard_distribution.shard_to_metadata[sid]
         if rank == owner:
-            tensor = loaded_tensors[sid].contiguous()
+            tensor = to_collective_device(loaded_tensors[sid], parallelization_group)
         else:  # received; kept only if this rank asked for it
-            tensor = torch.empty(_flat_or_local_shape(md), dtype=md.dtype)
+            tensor = empty_for_collective(_flat_or_local_shape(md), md.dtype, parallelization_group)
         dist.broadcast(tensor, src=_global_rank(parallelization_group, owner), group=parallelization_group)
         if rank != owner and sid in unloaded_shards:
             result[sid] = tensor

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dist_ckpt
 from dist_ckpt import ShardedTensor
@@ -351,3 +352,97 @@ def test_a_queued_write_is_timed_from_its_own_start():
         assert "did not finish within" in str(stuck.async_error)
     finally:
         caller.close()
+
+
+# -- 18.11: tensors handed to collectives are on the device the group's backend needs --------------
+
+
+class _NcclDouble:
+    """A process-group double that reports NCCL and, like NCCL, rejects CPU tensors in tensor
+    collectives. No GPU here, so "on the GPU" is simulated: tensors placed on the accelerator by
+    dist_ckpt's placement primitives are tagged (they stay CPU tensors underneath and travel over
+    the real gloo group); an untagged tensor handed to a collective is what NCCL would refuse."""
+
+    def __init__(self, monkeypatch) -> None:
+        import dist_ckpt.collectives as collectives
+
+        self.on_gpu = set()
+        self.collectives = 0
+        fake_gpu = torch.device("cuda", 5)
+        real_get_backend, real_broadcast, real_all_reduce = dist.get_backend, dist.broadcast, dist.all_reduce
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+        monkeypatch.setattr(collectives, "_accelerator_device", lambda: fake_gpu)
+
+        def on_device(tensor, device):
+            assert device == fake_gpu, f"placed on {device}, not the group's device {fake_gpu}"
+            moved = tensor.clone()
+            self.on_gpu.add(id(moved))
+            return moved
+
+        def empty_on(shape, dtype, device):
+            assert device == fake_gpu, f"allocated on {device}, not the group's device {fake_gpu}"
+            buffer = torch.empty(shape, dtype=dtype)
+            self.on_gpu.add(id(buffer))
+            return buffer
+
+        def nccl_only(real):
+            def op(tensor, *args, **kwargs):
+                if id(tensor) not in self.on_gpu:
+                    raise RuntimeError("Tensors must be CUDA and dense (NCCL cannot take a CPU tensor)")
+                self.collectives += 1
+                return real(tensor, *args, **kwargs)
+            return op
+
+        monkeypatch.setattr(collectives, "_on_device", on_device)
+        monkeypatch.setattr(collectives, "_empty_on", empty_on)
+        monkeypatch.setattr(dist, "broadcast", nccl_only(real_broadcast))
+        monkeypatch.setattr(dist, "all_reduce", nccl_only(real_all_reduce))
+        self._real_get_backend = real_get_backend
+
+
+def _fully_parallel_load_under_nccl(rank: int, world: int, ckpt: str) -> list:
+    import pytest as _pytest
+
+    from dist_ckpt.collectives import collective_device
+    from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+    def state(value):  # replicated over both ranks (data parallel): each reads half, then exchanges
+        return {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((64, 8), value + i), replica_id=rank)
+                for i in range(4)}
+
+    dist_ckpt.save(state(1.0), ckpt)
+    with _pytest.MonkeyPatch.context() as m:
+        double = _NcclDouble(m)
+        assert collective_device() == torch.device("cuda", 5)
+        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+        loaded = dist_ckpt.load(state(0.0), ckpt, sharded_strategy=strategy)
+        assert dist_ckpt.collectives.DistWrapper().all_reduce_min(rank + 1) == 1  # the int all-reduce too
+    for i in range(4):
+        assert torch.equal(loaded[f"w{i}"], torch.full((64, 8), 1.0 + i)), i
+    return [double.collectives]
+
+
+def test_fully_parallel_load_hands_nccl_only_accelerator_tensors(tmp_path):
+    """18.11: before, the exchange broadcast the owner's CPU tensor and received into a CPU
+    torch.empty, which NCCL refuses."""
+    results = run_distributed(_fully_parallel_load_under_nccl, 2, str(tmp_path / "ckpt"))
+    assert all(r[0] >= 5 for r in results), results  # 4 shard broadcasts + the all-reduce, all accepted
+
+
+def _devices_by_backend(rank: int, world: int) -> list:
+    import pytest as _pytest
+
+    import dist_ckpt.collectives as collectives
+
+    out = []
+    with _pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "current_device", lambda: 3)
+        for backend in ("nccl", "gloo", "cpu:gloo,cuda:nccl", "cuda:nccl"):
+            m.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+            out.append(str(collectives.collective_device()))
+    return out
+
+
+def test_collective_device_follows_the_backend():
+    assert run_distributed(_devices_by_backend, 1) == [["cuda:3", "cpu", "cpu", "cuda:3"]]
