@@ -430,3 +430,25 @@ def test_a_stalled_server_fails_the_managers_save_and_load_within_the_deadline(b
         assert time.monotonic() - start < 20
     mgr.close()
     assert _value(CheckpointManager(root).load(_state(0.0))) == 1.0
+
+
+# -- 18.12: a zarr save to a URL from ranks on several machines --------------------------------------
+
+
+def _zarr_save_from_two_machines(rank: int, world: int, url: str, scratch: str) -> bool:
+    os.environ["DIST_CKPT_SCRATCH"] = f"{scratch}/machine{rank}"  # no scratch directory in common
+    state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 8), float(rank + 1)), (0, rank, world)),
+             "b": ShardedTensor.from_rank_offsets("b", torch.arange(8.0), replica_id=rank)}
+    dist_ckpt.save(state, url, sharded_strategy=("zarr", 1))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(4, 8), (0, 1 - rank, world)),
+               "b": ShardedTensor.from_rank_offsets("b", torch.empty(8), replica_id=rank)}
+    loaded = dist_ckpt.load(request, url)
+    return torch.equal(loaded["w"], torch.full((4, 8), float(2 - rank))) and torch.equal(loaded["b"], torch.arange(8.0))
+
+
+def test_zarr_save_to_a_url_from_ranks_on_several_machines(bucket, tmp_path):
+    """Before, the ranks of the other machine found no .zarray in their scratch directory."""
+    url = f"s3://{bucket}/zarr_ckpt"
+    assert run_distributed(_zarr_save_from_two_machines, 2, url, str(tmp_path)) == [True, True]
+    keys = _objects(bucket, "zarr_ckpt/")
+    assert sum(k.endswith("/w/.zarray") for k in keys) == 1 and sum(k.endswith("/w/0.0") or k.endswith("/w/1.0") for k in keys) == 2

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
-from typing import Any, ClassVar, Dict, List, Tuple
+from typing import Any, ClassVar, Dict, List, Set, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -29,7 +29,7 @@ from zarr.core.dtype import DataTypeValidationError, data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
 from ..collectives import DistWrapper
-from ..commit import fsync_directory, fsync_path
+from ..commit import atomic_write_bytes, fsync_directory, fsync_path
 from ..core import ShardingError
 from ..dict_utils import nested_values
 from ..geometry import Box
@@ -125,19 +125,44 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                     raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend")
             return [sh.without_data() for sh in main]  # what the coordinator needs, no bytes
 
-        def create_arrays(all_descs: List[List[ShardedTensor]]) -> None:
+        def create_arrays(all_descs: List[List[ShardedTensor]]) -> Dict[str, bytes]:
             by_key: Dict[str, List[ShardedTensor]] = {}
             for descs in all_descs:
                 for d in descs:
                     by_key.setdefault(d.key, []).append(d)
+            headers = {}
             for key, descs in by_key.items():
                 self._create_array(checkpoint_dir / key, descs)
-                recorder.add_bytes(f"{key}/{ZARRAY}", (checkpoint_dir / key / ZARRAY).read_bytes(), key)
+                headers[key] = (checkpoint_dir / key / ZARRAY).read_bytes()
+                recorder.add_bytes(f"{key}/{ZARRAY}", headers[key], key)
             fsync_directory(checkpoint_dir)
+            return headers
 
         recorder = recorder_for(checkpoint_dir)
-        dist.all_reduce(describe, create_arrays)
-        dist.all_run(lambda: self._write_shards(checkpoint_dir, main, recorder))
+        headers = dist.all_reduce(describe, create_arrays)
+
+        def write() -> None:
+            self._ensure_headers(checkpoint_dir, {sh.key for sh in main}, headers)
+            self._write_shards(checkpoint_dir, main, recorder)
+
+        dist.all_run(write)
+
+    @staticmethod
+    def _ensure_headers(checkpoint_dir: Path, keys: Set[str], headers: Dict[str, bytes]) -> None:
+        """The coordinator's array headers in this rank's directory, where it does not see them:
+        a save to a URL stages in a local scratch directory per machine, so ranks on other
+        machines than the coordinator's write their chunks into a directory without the arrays.
+        Written whole (atomically) and only where missing; only the coordinator's copy is
+        recorded and uploaded."""
+        for key in sorted(keys):
+            path = checkpoint_dir / key / ZARRAY
+            try:
+                if path.read_bytes() == headers[key]:
+                    continue
+            except FileNotFoundError:
+                pass
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, headers[key])
 
     @staticmethod
     def _create_array(path: Path, descs: List[ShardedTensor]) -> None:
