@@ -44,13 +44,18 @@ def read_commit_order(root: RunRoot) -> Dict[str, int]:
     return dict(order)
 
 
+#: numbers of this many latest saves are kept even while their directory is not there: a save in
+#: flight has no directory at the target until it commits (it stages beside it)
+_KEEP_RECENT = 100
+
+
 def record_save_start(root: RunRoot, name: str, existing: Iterable[str]) -> int:
     """Coordinator, before a save of ``root/name`` starts: give it the next sequence number and
-    forget the numbers of directories that no longer exist (``existing``: the root's entries)."""
+    forget the numbers of old directories that no longer exist (``existing``: the root's entries)."""
     order = read_commit_order(root)
     seq = max(order.values(), default=0) + 1
     present = set(existing)
-    order = {n: s for n, s in order.items() if n in present and n != name}
+    order = {n: s for n, s in order.items() if n != name and (n in present or s > seq - _KEEP_RECENT)}
     order[name] = seq
     root.write_text(COMMIT_ORDER_FNAME, json.dumps({"order": order}, indent=0, sort_keys=True))
     return seq

@@ -241,7 +241,7 @@ class CheckpointManager:
         def coordinator() -> None:
             if self.dist.is_coordinator:
                 self._write_tracker(step)
-                self._apply_retention()
+                self._apply_retention(step)
 
         self.dist.all_run(coordinator)
 
@@ -250,7 +250,9 @@ class CheckpointManager:
         started, so the last commit is the run's newest (a rollback moves the tracker back)."""
         self.location.write_text(TRACKER_FNAME, str(step))
 
-    def _apply_retention(self) -> List[int]:
+    def _apply_retention(self, committed: Step) -> List[int]:
+        # in flight: the saves queued after the one just committed (those before it committed already)
+        in_flight = self._pending[self._pending.index(committed) + 1:] if committed in self._pending else self._pending
         newest = self.commit_order()[::-1]
         if not newest:
             return []
@@ -260,7 +262,7 @@ class CheckpointManager:
         tracked = read_tracker(self.location)
         removed = []
         for s in sorted(newest):
-            if s in keep or s == tracked or s in self._pending or s == self._resumed_from:
+            if s in keep or s == tracked or s in in_flight or s == self._resumed_from:
                 continue
             # the files dist_ckpt wrote, metadata.json first; the directory only if then empty
             self.location.remove_checkpoint(checkpoint_dir_name(s))
@@ -270,7 +272,8 @@ class CheckpointManager:
     # -- what is there -------------------------------------------------------------------------
 
     def steps(self) -> List[int]:
-        """Committed checkpoints' steps, oldest first (``release`` is not a step)."""
+        """Committed checkpoints' steps by step number, lowest first (``release`` is not a step;
+        ``commit_order`` orders them as they were committed)."""
         found = []
         for entry in self.location.committed():
             match = _ITER_DIR.match(entry)

@@ -446,3 +446,19 @@ def _devices_by_backend(rank: int, world: int) -> list:
 
 def test_collective_device_follows_the_backend():
     assert run_distributed(_devices_by_backend, 1) == [["cuda:3", "cpu", "cpu", "cuda:3"]]
+
+
+def test_commit_order_numbers_saves_in_flight(tmp_path):
+    """Two async saves in flight (max_pending=2): the second's bookkeeping must not forget the
+    first's number because its directory does not exist yet (it stages beside the target)."""
+    from dist_ckpt.manager import CheckpointManager
+
+    root = tmp_path / "run"
+    with CheckpointManager(root, keep_last=2, async_save=True, max_pending=2) as mgr:
+        mgr.save(300, _state(300.0))  # an old branch
+        mgr.wait()
+        mgr.save(100, _state(100.0))
+        mgr.save(200, _state(200.0))  # 100 still in flight
+        mgr.wait()
+    assert mgr.commit_order() == [100, 200]  # the two last committed; 300 (older) removed
+    assert _value(CheckpointManager(root).load(_state(0.0))) == 200.0
