@@ -58,6 +58,7 @@ implementation have only their own timeouts.
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import fcntl
 import hashlib
@@ -161,7 +162,7 @@ def _storage_errors(url: str, doing: str, deadline_s: Optional[float] = None) ->
     except OSError as e:
         if "pre-condition" in str(e) or "PreconditionFailed" in str(e):
             raise _PreconditionFailed(f"{url}: {doing}: the object changed since it was read ({e})") from None
-        if isinstance(e, TimeoutError):
+        if isinstance(e, TimeoutError):  # fsspec's FSTimeoutError (our deadline), or the client's own
             within = f"within {deadline_s:.0f} s" if deadline_s is not None else "in time"
             raise StorageError(f"{url}: {doing} got no answer {within} ({type(e).__name__}); the storage is stalled "
                                f"or unreachable (the deadline: storage_options={{'{DEADLINE_OPTION}': seconds}} or "
@@ -170,14 +171,7 @@ def _storage_errors(url: str, doing: str, deadline_s: Optional[float] = None) ->
             raise CheckpointNotFoundError(f"{url}: {doing} failed, not found ({e})") from None
         raise StorageError(f"{url}: {doing} failed ({type(e).__name__}: {e}); check the endpoint, "
                            f"credentials and bucket (storage_options= or AWS_* variables)") from None
-    except TimeoutError as e:  # fsspec's FSTimeoutError (our deadline), or the client's own
-        within = f"within {deadline_s:.0f} s" if deadline_s is not None else "in time"
-        raise StorageError(f"{url}: {doing} got no answer {within} ({type(e).__name__}); the storage is stalled or "
-                           f"unreachable (the deadline: storage_options={{'{DEADLINE_OPTION}': seconds}} or "
-                           f"{DEADLINE_ENV})") from None
-    except FileNotFoundError as e:
-        raise CheckpointNotFoundError(f"{url}: {doing} failed, not found ({e})") from None
-    except (OSError, ValueError, RuntimeError, TimeoutError) as e:
+    except (ValueError, RuntimeError) as e:
         raise StorageError(f"{url}: {doing} failed ({type(e).__name__}: {e}); check the endpoint, "
                            f"credentials and bucket (storage_options= or AWS_* variables)") from None
     except Exception as e:  # botocore/aiohttp errors that are not OSErrors
@@ -309,7 +303,7 @@ def _is_young(save_name: str) -> bool:
     match = _SAVE_TIME.match(save_name)
     if match is None:
         return False
-    started = time.mktime(time.strptime(match.group(1), "%Y%m%dT%H%M%S")) - time.timezone
+    started = calendar.timegm(time.strptime(match.group(1), "%Y%m%dT%H%M%S"))  # the name's time is UTC
     return time.time() - started < _save_grace_s()
 
 
@@ -451,7 +445,6 @@ class RemoteSave:
     # the pointer when the save began: its ETag (the commit's condition) and the save it named
     pointer_etag: Optional[str] = None
     previous_save: Optional[str] = None
-    had_pointer: bool = False
 
     @property
     def scratch(self) -> Path:
@@ -638,7 +631,7 @@ def begin_remote_save(url: str, overwrite: Optional[bool], storage_options: Opti
         _remove_interrupted(loc, keep=set())
     current = pointer.get(POINTER_FIELD) if pointer else None
     remote = RemoteSave(loc.url, _new_save_name(), dict(storage_options or {}), overwrite, pointer_etag=etag,
-                        previous_save=current if isinstance(current, str) else None, had_pointer=pointer is not None)
+                        previous_save=current if isinstance(current, str) else None)
     if loc.url.split("://", 1)[0] not in _CONDITIONAL_PROTOCOLS:
         _take_writer_lock(loc, remote.save_name)
     return remote

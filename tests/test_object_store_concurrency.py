@@ -416,7 +416,7 @@ def test_a_stalled_server_fails_the_managers_save_and_load_within_the_deadline(b
 
     root = f"s3://{bucket}/run"
     opts = {"dist_ckpt_deadline_s": 2}
-    with CheckpointManager(root, async_save=False, storage_options=opts) as mgr:
+    with CheckpointManager(root, async_save=False) as mgr:  # (a 2 s deadline is for the stalled server only)
         mgr.save(1, _state(1.0))
     mgr = CheckpointManager(root, async_save=True, on_error="warn", storage_options=opts)
     with _stalled(s3_endpoint):
