@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Dict, Iterator
 
-__all__ = ["free_port", "moto_server", "server_pid"]
+__all__ = ["free_port", "moto_server", "server_pid", "new_bucket", "object_etags"]
 
 _PIDS: Dict[str, int] = {}  # endpoint -> the server's pid (to stop it with SIGSTOP: a stalled server)
 
@@ -73,3 +73,22 @@ def moto_server(extra_env: Dict[str, str] = None) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def new_bucket() -> str:
+    """A fresh bucket on the server the AWS variables point at."""
+    import uuid
+
+    import boto3
+
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name
+
+
+def object_etags(bucket: str, prefix: str = "") -> Dict[str, str]:
+    """Key -> ETag of every object under ``prefix``."""
+    import boto3
+
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}

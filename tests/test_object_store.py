@@ -14,7 +14,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.object_store import POINTER_FIELD, PREVIOUS_FIELD, SAVE_DIR_PREFIX, StorageError
 from dist_helpers import run_distributed
 from model_utils import MODEL, global_tensor, sharded_model
-from s3_server import free_port, moto_server
+from s3_server import free_port, moto_server, new_bucket, object_etags
 
 pytestmark = pytest.mark.slow
 
@@ -43,18 +42,11 @@ def s3_endpoint(tmp_path_factory):
 
 @pytest.fixture
 def bucket(s3_endpoint):
-    import boto3
-
-    name = f"ckpt-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3").create_bucket(Bucket=name)
-    return name
+    return new_bucket()
 
 
 def _objects(bucket: str, prefix: str = "") -> list:
-    import boto3
-
-    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+    return sorted(object_etags(bucket, prefix))
 
 
 def _save_twice(rank, world, url):

@@ -22,7 +22,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_helpers import run_distributed
-from s3_server import moto_server, server_pid
+from s3_server import moto_server, new_bucket, object_etags, server_pid
 
 pytestmark = pytest.mark.slow
 
@@ -36,19 +36,10 @@ def s3_endpoint(tmp_path_factory):
 
 @pytest.fixture
 def bucket(s3_endpoint):
-    import boto3
-
-    name = f"ckpt-{uuid.uuid4().hex[:10]}"
-    boto3.client("s3").create_bucket(Bucket=name)
-    return name
+    return new_bucket()
 
 
-def _objects(bucket: str, prefix: str = "") -> dict:
-    """Key -> ETag of every object under ``prefix``."""
-    import boto3
-
-    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    return {o["Key"]: o["ETag"] for page in pages for o in page.get("Contents", [])}
+_objects = object_etags
 
 
 def _state(value: float) -> dict:
