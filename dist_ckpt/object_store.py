@@ -116,9 +116,12 @@ SAVE_DIR_PREFIX = "dist_ckpt-save-"
 POINTER_FIELD = "dist_ckpt_data"
 PREVIOUS_FIELD = "dist_ckpt_previous"  # the save the pointer's save replaced: kept one generation more
 WRITER_LOCK = "dist_ckpt-writer.json"  # stores without conditional writes: who is saving (best effort)
-#: a save directory younger than this is never removed by another save's cleanup (it may still be
-#: uploading); DIST_CKPT_SAVE_GRACE_S overrides it
-SAVE_GRACE_S = 3600.0
+#: a save directory younger than this is never removed by another save's cleanup: a save that
+#: began after that cleanup's commit (so its conditional commit can still win) may be uploading
+#: its first objects while the cleanup lists. Minutes cover that window and clock skew between
+#: machines; a URL re-saved more often than this keeps the directories of those saves until they
+#: are older. DIST_CKPT_SAVE_GRACE_S overrides it.
+SAVE_GRACE_S = 900.0
 _SAVE_TIME = re.compile(rf"^{SAVE_DIR_PREFIX}(\d{{8}}T\d{{6}})-")
 _CONDITIONAL_PROTOCOLS = ("s3", "s3a")
 # Bounded retries and timeouts: a refusing or unreachable endpoint ends in an error within
