@@ -217,13 +217,9 @@ def _is_committed(path: Path) -> bool:
 
 def _foreign_checkpoint(path: Path) -> Optional[str]:
     """What another tool's checkpoint at ``path`` is (``formats.foreign_format_of``), or None."""
-    from .formats import describe_foreign, foreign_format_of  # formats reads checkpoints; it sits above
+    from .formats import describe_foreign, foreign_format_in  # formats reads checkpoints; it sits above
 
-    try:
-        names = [e.name for e in os.scandir(path) if e.is_file()]
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    foreign = foreign_format_of(names)
+    foreign = foreign_format_in(path)
     return None if foreign is None else describe_foreign(foreign)
 
 
@@ -581,8 +577,7 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
             if overwrite is None:
                 logger.warning("%s holds a committed checkpoint; it will be replaced when this save commits "
                                "(other files in the directory are kept)", target)
-        elif target.is_dir() and _foreign_checkpoint(target) is not None:
-            foreign = _foreign_checkpoint(target)
+        elif (foreign := _foreign_checkpoint(target)) is not None:
             if overwrite is not True:
                 raise CheckpointExistsError(
                     f"{target} holds a {foreign} written by another tool (not a dist_ckpt save); nothing was "

@@ -28,6 +28,7 @@ __all__ = [
     "SAFETENSORS_INDEX_FNAME",
     "detect_checkpoint_config",
     "foreign_format_of",
+    "foreign_format_in",
     "describe_format",
     "describe_foreign",
 ]
@@ -63,13 +64,18 @@ def _top_level_files(directory: Path) -> Collection[str]:
         return []
 
 
+def foreign_format_in(directory: Path) -> Optional[str]:
+    """``foreign_format_of`` the files directly in ``directory`` (None if it is missing)."""
+    return foreign_format_of(_top_level_files(directory))
+
+
 def detect_checkpoint_config(checkpoint_dir: Path) -> Optional[CheckpointingConfig]:
     """The checkpoint's ``metadata.json``, or the configuration of a foreign layout found in
     ``checkpoint_dir`` (``foreign_format_of``), or None when it holds neither."""
     config = maybe_load_config(checkpoint_dir)
     if config is not None:
         return config
-    foreign = foreign_format_of(_top_level_files(checkpoint_dir))
+    foreign = foreign_format_in(checkpoint_dir)
     return None if foreign is None else CheckpointingConfig(foreign, 1, foreign, 1)
 
 

@@ -369,7 +369,7 @@ class _NcclDouble:
         self.on_gpu = set()
         self.collectives = 0
         fake_gpu = torch.device("cuda", 5)
-        real_get_backend, real_broadcast, real_all_reduce = dist.get_backend, dist.broadcast, dist.all_reduce
+        real_broadcast, real_all_reduce = dist.broadcast, dist.all_reduce
         monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
         monkeypatch.setattr(collectives, "_accelerator_device", lambda: fake_gpu)
 
@@ -397,7 +397,6 @@ class _NcclDouble:
         monkeypatch.setattr(collectives, "_empty_on", empty_on)
         monkeypatch.setattr(dist, "broadcast", nccl_only(real_broadcast))
         monkeypatch.setattr(dist, "all_reduce", nccl_only(real_all_reduce))
-        self._real_get_backend = real_get_backend
 
 
 def _fully_parallel_load_under_nccl(rank: int, world: int, ckpt: str) -> list:
