@@ -18,7 +18,7 @@ def main() -> int:
     received: List[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
-        from dist_ckpt.cli import main as run_command
+        from dist_ckpt.tools.cli import main as run_command
     finally:
         signal.signal(signal.SIGINT, previous)
     if received:

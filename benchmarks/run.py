@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # megatron_cpu: the CPU shims for megat
 sys.path.insert(0, str(ROOT))
 
 import dist_ckpt  # noqa: E402
-from dist_ckpt.launch import run_distributed  # noqa: E402
+from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
 

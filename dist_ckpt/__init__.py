@@ -18,7 +18,7 @@ from .core import (
     UnknownStrategyError,
     UnsafePickleError,
 )
-from .commit import ConcurrentSaveError
+from .storage.commit import ConcurrentSaveError
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -30,7 +30,7 @@ from .mapping import (
     apply_factory_merges,
     is_main_replica,
 )
-from .safe_unpickle import add_safe_globals, trusted_unpickling
+from .integrity.safe_unpickle import add_safe_globals, trusted_unpickling
 # Megatron-Core's submodules at Megatron-Core's paths (``dist_ckpt.utils``, ``dist_ckpt.optimizer``, ...).
 from . import dict_utils, exchange_utils, optimizer, state_dict_utils, utils, validation  # noqa: E402,F401
 from .serialization import (
@@ -55,7 +55,7 @@ from .strategies.base import (
 )
 from .validation import StrictHandling
 from .manager import CheckpointManager, PendingSaveError  # noqa: E402 - builds on serialization
-from .object_store import StorageError
+from .storage.object_store import StorageError
 
 __version__ = "0.1.0"
 

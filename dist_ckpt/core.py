@@ -131,7 +131,7 @@ def config_bytes(config: CheckpointingConfig) -> bytes:
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
     """Write ``metadata.json`` (durably, atomically): the last file of a checkpoint."""
-    from .commit import atomic_write_bytes  # commit builds on this module
+    from .storage.commit import atomic_write_bytes  # commit builds on this module
 
     atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))
 

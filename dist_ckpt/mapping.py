@@ -21,7 +21,7 @@ import torch
 
 from .core import CheckpointingException, MismatchError, ShardingError
 from .dict_utils import dict_list_map_inplace
-from .geometry import Box, Piece
+from .sharding.geometry import Box, Piece
 
 __all__ = [
     "ReplicaId",

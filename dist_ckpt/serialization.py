@@ -21,25 +21,25 @@ from typing import Callable, List, Optional, Set, Tuple, TypeVar, Union, cast
 
 import torch
 
-from .collectives import DistWrapper
-from .commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
-from .object_store import RemoteSave, WriteThenUpload, begin_remote_save, files_owned, is_url, localize, \
+from .runtime.collectives import DistWrapper
+from .storage.commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
+from .storage.object_store import RemoteSave, WriteThenUpload, begin_remote_save, files_owned, is_url, localize, \
     scratch_listing, written_files
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
 )
-from .integrity import (
+from .integrity.manifest import (
     ManifestEntry,
     forget_recorder,
     open_recorder,
     verification,
 )
 from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
-from .fingerprint import structure_fingerprint
-from .state_split import assemble, compare_common_state_dicts, split_state_dict
-from .timing import phase, progress_display
+from .sharding.fingerprint import structure_fingerprint
+from .sharding.partition import assemble, compare_common_state_dicts, split_state_dict
+from .runtime.timing import phase, progress_display
 from .mapping import (
     ShardedBase,
     ShardedObject,

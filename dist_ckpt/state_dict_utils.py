@@ -49,7 +49,7 @@ def save_preprocess(
     sharded_part, common_state_dict = extract_sharded_base(persistent)
     sharded_part = filter_out_empty_flatten_tensor(sharded_part)
     if validate_access_integrity:
-        from .collectives import DistWrapper
+        from .runtime.collectives import DistWrapper
         from .serialization import compare_common_state_dicts
         from .validation import determine_global_metadata, validate_sharding_integrity
 

@@ -29,12 +29,12 @@ from .core import (
     ShardingError,
     StrategyCompatibilityError,
 )
-from .commit import is_dist_ckpt_leftover
-from .locations import why_not_a_checkpoint
+from .storage.commit import is_dist_ckpt_leftover
+from .storage.locations import why_not_a_checkpoint
 from .dict_utils import extract_matching_values, nested_values
-from .formats import detect_checkpoint_config
-from .geometry import find_overlap
-from .integrity import verify_bytes
+from .storage.formats import detect_checkpoint_config
+from .sharding.geometry import find_overlap
+from .integrity.manifest import verify_bytes
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, resolve_strategy
 
@@ -266,7 +266,7 @@ def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[LocalMetadata, GlobalMetadata]:
     """(this rank's sharded items without data, every rank's): one all-gather, collective,
     with a failure on any rank raised on all."""
-    from .collectives import DistWrapper
+    from .runtime.collectives import DistWrapper
 
     local = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
     return local, DistWrapper().all_gather(lambda: local)

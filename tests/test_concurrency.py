@@ -219,7 +219,7 @@ def _save_then_peer_dies(rank: int, world: int, root: str):
 
 
 def test_on_error_warn_reports_a_dead_peer_once_and_returns(tmp_path):
-    from dist_ckpt.launch import run_processes
+    from dist_ckpt.runtime.launch import run_processes
 
     outcomes = run_processes(_save_then_peer_dies, 2, str(tmp_path / "run"), collective_timeout_s=5, deadline_s=60)
     assert outcomes[1].exitcode == 3
@@ -272,7 +272,7 @@ def test_a_save_onto_another_tools_checkpoint_is_refused_unless_overwrite(tmp_pa
 def _without_exchange_and_raced(monkeypatch, target: Path, intruder: str) -> None:
     """No renameat2 swap (as on NFS); right after the old checkpoint is renamed aside, another
     process recreates the target and writes ``intruder`` into it."""
-    import dist_ckpt.commit as commit
+    import dist_ckpt.storage.commit as commit
 
     monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     real_fsync = commit.fsync_directory
@@ -289,7 +289,7 @@ def _without_exchange_and_raced(monkeypatch, target: Path, intruder: str) -> Non
 def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     """18.6: before, the second rename failed, abort deleted the new checkpoint, recover skipped
     (the target existed) and the next save disposed of the moved-aside old one: both gone."""
-    import dist_ckpt.commit as commit
+    import dist_ckpt.storage.commit as commit
 
     target = tmp_path / "iter_0000100"
     dist_ckpt.save(_state(1.0), target)
@@ -309,7 +309,7 @@ def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(
 def test_a_moved_aside_checkpoint_that_cannot_go_back_is_kept_until_clean(tmp_path, monkeypatch):
     """The intruder wrote a file with a checkpoint file's name: the old checkpoint cannot go back
     at once; loads name `dist-ckpt clean`, later saves keep it, clean restores it."""
-    import dist_ckpt.commit as commit
+    import dist_ckpt.storage.commit as commit
 
     target = tmp_path / "ckpt"
     dist_ckpt.save(_state(1.0), target)
@@ -364,7 +364,7 @@ class _NcclDouble:
     the real gloo group); an untagged tensor handed to a collective is what NCCL would refuse."""
 
     def __init__(self, monkeypatch) -> None:
-        import dist_ckpt.collectives as collectives
+        import dist_ckpt.runtime.collectives as collectives
 
         self.on_gpu = set()
         self.collectives = 0
@@ -402,7 +402,7 @@ class _NcclDouble:
 def _fully_parallel_load_under_nccl(rank: int, world: int, ckpt: str) -> list:
     import pytest as _pytest
 
-    from dist_ckpt.collectives import collective_device
+    from dist_ckpt.runtime.collectives import collective_device
     from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
@@ -416,7 +416,7 @@ def _fully_parallel_load_under_nccl(rank: int, world: int, ckpt: str) -> list:
         assert collective_device() == torch.device("cuda", 5)
         strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
         loaded = dist_ckpt.load(state(0.0), ckpt, sharded_strategy=strategy)
-        assert dist_ckpt.collectives.DistWrapper().all_reduce_min(rank + 1) == 1  # the int all-reduce too
+        assert dist_ckpt.runtime.collectives.DistWrapper().all_reduce_min(rank + 1) == 1  # the int all-reduce too
     for i in range(4):
         assert torch.equal(loaded[f"w{i}"], torch.full((64, 8), 1.0 + i)), i
     return [double.collectives]
@@ -432,7 +432,7 @@ def test_fully_parallel_load_hands_nccl_only_accelerator_tensors(tmp_path):
 def _devices_by_backend(rank: int, world: int) -> list:
     import pytest as _pytest
 
-    import dist_ckpt.collectives as collectives
+    import dist_ckpt.runtime.collectives as collectives
 
     out = []
     with _pytest.MonkeyPatch.context() as m:

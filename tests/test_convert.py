@@ -11,8 +11,8 @@ import torch
 import dist_ckpt
 from conftest import FIXTURES
 from dist_ckpt import ShardedObject, ShardedTensor, StrategyAction
-from dist_ckpt.cli import main
-from dist_ckpt.convert import convert_checkpoint
+from dist_ckpt.tools.cli import main
+from dist_ckpt.tools.convert import convert_checkpoint
 from dist_ckpt.dict_utils import diff, tensors_bitwise_equal
 from dist_ckpt.strategies.base import default_registry
 
@@ -85,9 +85,9 @@ def test_streaming_tools_parse_the_dcp_index_once_per_file_version(tmp_path, mon
     """convert, export and diff load one tensor per call; the index is parsed once, not per
     tensor (per-tensor parsing made them quadratic: 500 tensors took 12 s instead of 0.6 s),
     and a rewritten index is parsed again."""
-    from dist_ckpt.diff import diff_checkpoints
-    from dist_ckpt.export import export_safetensors
-    from dist_ckpt.strategies import dcp_io
+    from dist_ckpt.tools.diff import diff_checkpoints
+    from dist_ckpt.tools.export import export_safetensors
+    from dist_ckpt.strategies.dcp import files as dcp_io
 
     parsed = []
     real = dcp_io.DcpReader._read_checked_metadata

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dist_ckpt
-import dist_ckpt.commit as commit_mod
+import dist_ckpt.storage.commit as commit_mod
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 

@@ -13,9 +13,9 @@ import torch
 
 import dist_ckpt
 from dist_ckpt import ShardedTensor
-from dist_ckpt.commit import OLD_MARK, STAGING_MARK, SaveLock, clean
+from dist_ckpt.storage.commit import OLD_MARK, STAGING_MARK, SaveLock, clean
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.launch import run_processes
+from dist_ckpt.runtime.launch import run_processes
 from small_fs import small_tmpfs
 
 pytestmark = pytest.mark.slow
@@ -48,10 +48,10 @@ def _die():
 
 def _save_with_fault(rank, world, ckpt, fault, fault_rank):
     """Save version 2 over the committed version 1, with ``fault`` injected on ``fault_rank``."""
-    import dist_ckpt.commit as commit_mod
-    import dist_ckpt.integrity as integrity_mod
+    import dist_ckpt.storage.commit as commit_mod
+    import dist_ckpt.integrity.manifest as integrity_mod
     import dist_ckpt.serialization as serialization_mod
-    import dist_ckpt.strategies.dcp_io as dcp_io
+    import dist_ckpt.strategies.dcp.files as dcp_io
 
     if rank == fault_rank:
         if fault == "kill_mid_write":
@@ -167,7 +167,7 @@ def test_interrupted_overwrite_leaves_old_or_new_checkpoint(tmp_path, fault, fau
         # the target is missing: a load says which command puts the old checkpoint back
         with pytest.raises(dist_ckpt.CheckpointNotFoundError, match=f"`dist-ckpt clean {ckpt}` puts it back"):
             dist_ckpt.load_plain_tensors(ckpt)
-        from dist_ckpt.cli import main
+        from dist_ckpt.tools.cli import main
 
         assert main(["clean", ckpt]) == 0
     _assert_holds(ckpt, 2, version_after)
@@ -262,7 +262,7 @@ def test_dist_ckpt_clean_removes_leftovers_but_keeps_checkpoints(tmp_path):
     (stale / "__0_0.distcp").write_bytes(b"partial")
     with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="interrupted save left behind"):
         dist_ckpt.load_plain_tensors(stale)
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     assert main(["clean", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -271,7 +271,7 @@ def test_dist_ckpt_clean_removes_leftovers_but_keeps_checkpoints(tmp_path):
 
 
 def _async_save_with_killed_writer(rank, world, ckpt, kill_rank):
-    import dist_ckpt.integrity as integrity_mod
+    import dist_ckpt.integrity.manifest as integrity_mod
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
     parent = os.getpid()

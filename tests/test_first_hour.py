@@ -72,7 +72,7 @@ def runs(tmp_path: Path) -> Path:
 @pytest.mark.slow
 def test_convert_onto_the_parent_directory_is_refused_and_touches_nothing(runs: Path, capsys) -> None:
     """The exact typo of the issue: `dist-ckpt convert runs/iter_100 runs --backend zarr`."""
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     before = _tree(runs)
     out = _cli("convert", "runs/iter_100", "runs", "--backend", "zarr", cwd=runs.parent)  # the real command
@@ -134,14 +134,14 @@ _SAVE_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch, dist_ckpt
     from dist_ckpt import ShardedTensor
-    import dist_ckpt.commit as commit
+    import dist_ckpt.storage.commit as commit
 
     target, version, moment = sys.argv[1], float(sys.argv[2]), sys.argv[3]
     state = {f"layer{i}": ShardedTensor.from_rank_offsets(f"layer{i}", torch.full((64, 1 << 20), version))
              for i in range(2)}  # 512 MiB
     state["step"] = version
     if moment == "mid_write":  # Ctrl-C once the first 8 MiB of tensor data are written
-        import dist_ckpt.integrity as integrity
+        import dist_ckpt.integrity.manifest as integrity
         write, written = integrity.HashingWriter.write, []
         def interrupted_write(self, data):
             written.append(len(memoryview(data)))
@@ -308,7 +308,7 @@ def test_permission_errors_are_one_line(tmp_path: Path, runs: Path) -> None:
 
 
 def test_usage_errors_are_one_line_with_exit_code_2(tmp_path: Path, runs: Path, capsys) -> None:
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     for argv, fragments in [
         (["demo", "--save-ranks", "0"], ["dist-ckpt demo: error: argument --save-ranks", "positive integer, got 0"]),
@@ -348,7 +348,7 @@ def _fail_on_rank_1(rank: int, world: int, how: str) -> int:
 
 @pytest.mark.slow
 def test_run_distributed_raises_what_a_rank_raised() -> None:
-    from dist_ckpt.launch import RankFailedError, run_distributed
+    from dist_ckpt.runtime.launch import RankFailedError, run_distributed
 
     with pytest.raises(dist_ckpt.CheckpointExistsError, match="rank 1 refuses") as info:
         run_distributed(_fail_on_rank_1, 2, "raise")
@@ -361,7 +361,7 @@ def test_run_distributed_raises_what_a_rank_raised() -> None:
 
 
 def test_messages_name_what_is_there(tmp_path: Path, runs: Path, capsys) -> None:
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     log = runs / "train.log"
     with pytest.raises(dist_ckpt.CheckpointNotFoundError, match="train.log is not a directory"):
@@ -391,7 +391,7 @@ def test_messages_name_what_is_there(tmp_path: Path, runs: Path, capsys) -> None
 
 
 def test_validate_says_what_it_checked_without_a_manifest(fixtures_dir: Path, runs: Path, capsys) -> None:
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     assert main(["validate", str(fixtures_dir / "mcore0.10_torch_dist_w2_flat")]) == 0
     out = capsys.readouterr().out.strip()
@@ -430,7 +430,7 @@ def _partial_loads(rank: int, world: int, ckpt: str) -> dict:
 def test_partial_request_is_refused_or_read_as_megatron_core_does(runs: Path) -> None:
     """Differential: one rank asking for half a tensor fails the access check in both libraries
     (ours with the explanation) and loads in both with validate_access_integrity=False."""
-    from dist_ckpt.launch import run_distributed
+    from dist_ckpt.runtime.launch import run_distributed
 
     (outcomes,) = run_distributed(_partial_loads, 1, str(runs / "iter_100"))
     assert outcomes == {("megatron", True): "CheckpointingException", ("megatron", False): 16.0,
@@ -453,7 +453,7 @@ def test_save_without_sharded_tensors_warns_that_all_goes_to_common_pt(tmp_path:
 
 
 def test_help_lists_every_command_with_its_arguments_and_an_example(tmp_path: Path) -> None:
-    from dist_ckpt.cli import build_parser
+    from dist_ckpt.tools.cli import build_parser
 
     text = build_parser().format_help()
     for usage in ["dist-ckpt demo [--dir DIR] [--save-ranks N] [--load-ranks N]",

@@ -25,7 +25,7 @@ import dist_ckpt
 from conftest import FIXTURES
 from dist_ckpt import ShardedTensor
 from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, MismatchError
-from dist_ckpt.export import export_safetensors, register_key_renamer
+from dist_ckpt.tools.export import export_safetensors, register_key_renamer
 from dist_helpers import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -110,7 +110,7 @@ def test_native_dcp_plain_tensors_common_state_and_validate(dcp_checkpoint):
     assert common["optim.param_groups.0.betas"] == (0.9, 0.95)
     md = dist_ckpt.load_tensors_metadata(ckpt)
     assert tuple(md["model.embed.weight"].global_shape) == (10, 4)
-    from dist_ckpt.checkpoint_check import validate_checkpoint
+    from dist_ckpt.tools.check import validate_checkpoint
 
     report = validate_checkpoint(ckpt)
     assert report.ok, report.problems
@@ -119,7 +119,7 @@ def test_native_dcp_plain_tensors_common_state_and_validate(dcp_checkpoint):
 def test_native_dcp_convert_and_export(dcp_checkpoint, tmp_path):
     ckpt, _ = dcp_checkpoint
     source = dist_ckpt.load_plain_tensors(ckpt)
-    from dist_ckpt.convert import convert_checkpoint
+    from dist_ckpt.tools.convert import convert_checkpoint
 
     convert_checkpoint(ckpt, tmp_path / "converted", "torch_dist")
     converted = dist_ckpt.load_plain_tensors(tmp_path / "converted")
@@ -191,8 +191,8 @@ def test_safetensors_source_whole_convert_validate_and_errors(tmp_path):
     assert {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()} == HF_TENSORS
     assert all(torch.equal(v, _full(k, *HF_TENSORS[k])) for k, v in tensors.items())
     assert dist_ckpt.load_common_state_dict(directory) == {}
-    from dist_ckpt.checkpoint_check import validate_checkpoint
-    from dist_ckpt.convert import convert_checkpoint
+    from dist_ckpt.tools.check import validate_checkpoint
+    from dist_ckpt.tools.convert import convert_checkpoint
 
     assert validate_checkpoint(directory).ok
     convert_checkpoint(directory, tmp_path / "zarr", "zarr")
@@ -304,7 +304,7 @@ def test_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
 
 def test_cli_export_inspect_and_version(dcp_checkpoint, tmp_path, capsys):
     from dist_ckpt import __version__
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     ckpt, _ = dcp_checkpoint
     assert main(["inspect", str(ckpt)]) == 0
@@ -365,7 +365,7 @@ def tp2_checkpoint(tmp_path_factory):
 def test_inspect_reports_bytes_chunks_writers_totals_and_json(tp2_checkpoint, capsys):
     import json
 
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
     from model_utils import MODEL
 
     assert main(["inspect", "--json", tp2_checkpoint]) == 0
@@ -397,8 +397,8 @@ def test_inspect_reports_bytes_chunks_writers_totals_and_json(tp2_checkpoint, ca
 
 
 def test_diff_same_content_across_formats_and_each_kind_of_difference(tp2_checkpoint, tmp_path, capsys):
-    from dist_ckpt.cli import main
-    from dist_ckpt.diff import diff_checkpoints
+    from dist_ckpt.tools.cli import main
+    from dist_ckpt.tools.diff import diff_checkpoints
     from safetensors.torch import load_file, save_file
 
     hf = tmp_path / "hf"
@@ -434,7 +434,7 @@ def test_diff_same_content_across_formats_and_each_kind_of_difference(tp2_checkp
 
 
 def test_verbose_prints_a_phase_table_and_progress_goes_to_a_terminal_only(tp2_checkpoint, tmp_path, capsys):
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     assert main(["-v", "convert", tp2_checkpoint, str(tmp_path / "z"), "--backend", "zarr"]) == 0
     err = capsys.readouterr().err
@@ -465,7 +465,7 @@ def test_progress_bar_is_drawn_on_a_terminal(tp2_checkpoint, tmp_path):
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 100-column terminal
     try:
-        proc = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "convert", tp2_checkpoint, str(tmp_path / "z"),
+        proc = subprocess.run([sys.executable, "-m", "dist_ckpt.tools.cli", "convert", tp2_checkpoint, str(tmp_path / "z"),
                                "--backend", "zarr"], stdout=subprocess.PIPE, stderr=slave, timeout=120)
         os.close(slave)
         drawn = b""
@@ -481,6 +481,6 @@ def test_progress_bar_is_drawn_on_a_terminal(tp2_checkpoint, tmp_path):
         os.close(master)
     assert proc.returncode == 0
     assert b"converting" in drawn and b"7/7" in drawn  # 7 tensors
-    piped = subprocess.run([sys.executable, "-m", "dist_ckpt.cli", "convert", tp2_checkpoint, str(tmp_path / "z2"),
+    piped = subprocess.run([sys.executable, "-m", "dist_ckpt.tools.cli", "convert", tp2_checkpoint, str(tmp_path / "z2"),
                             "--backend", "zarr"], capture_output=True, timeout=120)
     assert piped.returncode == 0 and piped.stderr == b""

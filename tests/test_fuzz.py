@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 import dist_ckpt
 from dist_ckpt import CheckpointingException, ShardedTensor
 from dist_ckpt.core import CONFIG_FNAME, maybe_load_config
-from dist_ckpt.integrity import parse_manifest
-from dist_ckpt.safe_unpickle import safe_torch_load
-from dist_ckpt.strategies.dcp_io import load_dcp_metadata_pickle
+from dist_ckpt.integrity.manifest import parse_manifest
+from dist_ckpt.integrity.safe_unpickle import safe_torch_load
+from dist_ckpt.strategies.dcp.files import load_dcp_metadata_pickle
 from dist_ckpt.strategies.zarr_format import read_zarray
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -15,7 +15,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import CheckpointingException, CorruptCheckpointError, ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.checkpoint_check import validate_checkpoint
+from dist_ckpt.tools.check import validate_checkpoint
 
 W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
 
@@ -269,8 +269,8 @@ def test_every_tensor_metadata_field_is_checked(ckpts, change, fragment):
 
 @pytest.mark.parametrize("name,limit_attr", [
     ("metadata.json", "dist_ckpt.core.MAX_CONFIG_BYTES"),
-    (".metadata", "dist_ckpt.strategies.dcp_io.MAX_DCP_METADATA_BYTES"),
-    ("dist_ckpt_manifest.json", "dist_ckpt.integrity._MAX_MANIFEST_BYTES"),
+    (".metadata", "dist_ckpt.strategies.dcp.files.MAX_DCP_METADATA_BYTES"),
+    ("dist_ckpt_manifest.json", "dist_ckpt.integrity.manifest._MAX_MANIFEST_BYTES"),
 ])
 def test_index_files_are_size_checked_before_they_are_read(ckpts, monkeypatch, name, limit_attr):
     """A sparse file of 64 GiB: refused by its size (stat), never read into memory."""
@@ -307,12 +307,12 @@ def test_trusted_unpickling_applies_to_the_calling_thread_only(ckpts):
         t = threading.Thread(target=other_thread)
         t.start()
         t.join()
-        assert dist_ckpt.safe_unpickle.is_trusted_unpickling()
+        assert dist_ckpt.integrity.safe_unpickle.is_trusted_unpickling()
     assert outcome == ["refused"]
 
 
 def test_remove_sharded_tensors_is_crash_consistent_and_locked(ckpts, monkeypatch):
-    import dist_ckpt.commit as commit_mod
+    import dist_ckpt.storage.commit as commit_mod
     import dist_ckpt.strategies.torch_dist as torch_dist
 
     ckpt = ckpts["torch_dist"]
@@ -358,7 +358,7 @@ def test_zarray_files_are_fsynced(tmp_path, monkeypatch):
 
 
 def test_manifest_scales_to_a_million_entries(tmp_path):
-    from dist_ckpt.integrity import ManifestEntry, load_manifest, write_manifest
+    from dist_ckpt.integrity.manifest import ManifestEntry, load_manifest, write_manifest
 
     entries = [ManifestEntry(f"__{i % 4096}_0.distcp", (i // 4096) * 64, 64, f"{i:016x}", f"layer.{i}")
                for i in range(1_000_000)]

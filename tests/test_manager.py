@@ -16,7 +16,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_ckpt.manager import RELEASE, TRACKER_FNAME, CheckpointManager, PendingSaveError, read_tracker
-from dist_ckpt.commit_order import COMMIT_ORDER_FNAME
+from dist_ckpt.storage.commit_order import COMMIT_ORDER_FNAME
 from dist_helpers import run_distributed
 from small_fs import small_tmpfs
 

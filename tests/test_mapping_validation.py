@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import dist_ckpt
 from dist_ckpt import ShardedObject, ShardedTensor, ShardingError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.geometry import Box, flat_range_to_subboxes
+from dist_ckpt.sharding.geometry import Box, flat_range_to_subboxes
 from dist_ckpt.validation import validate_sharding_integrity
 
 

@@ -128,7 +128,7 @@ def _load_converted_flat_with_megatron(rank, world, ckpt):
 
 def test_converted_flattened_optimizer_state_loads_in_megatron_core_016(tmp_path):
     """Issue 9 part 5: `dist-ckpt convert` upgrades 0.10 flattened ranges to regular tensors."""
-    from dist_ckpt.cli import main
+    from dist_ckpt.tools.cli import main
 
     src = FIXTURES / "mcore0.10_torch_dist_w2_flat"
     dst = tmp_path / "upgraded"

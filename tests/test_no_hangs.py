@@ -17,7 +17,7 @@ import torch
 
 import dist_ckpt
 from dist_ckpt import ShardedTensor
-from dist_ckpt.launch import run_processes
+from dist_ckpt.runtime.launch import run_processes
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ def _inject(case, rank):
     import dist_ckpt.strategies.torch_dist as torch_dist
 
     if case == "staging_out_of_memory" and rank == 1:
-        import dist_ckpt.strategies.staging as staging
+        import dist_ckpt.strategies.dcp.staging as staging
 
         def allocate(self, likes, arenas):
             raise MemoryError("cannot allocate the staging copy")

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import dist_ckpt
-from dist_ckpt.cli import main as cli
+from dist_ckpt.tools.cli import main as cli
 from dist_ckpt.dict_utils import tensors_bitwise_equal
-from dist_ckpt.object_store import POINTER_FIELD, PREVIOUS_FIELD, SAVE_DIR_PREFIX, StorageError
+from dist_ckpt.storage.object_store import POINTER_FIELD, PREVIOUS_FIELD, SAVE_DIR_PREFIX, StorageError
 from dist_helpers import run_distributed
 from model_utils import MODEL, global_tensor, sharded_model
 from s3_server import free_port, moto_server, new_bucket, object_etags
@@ -180,8 +180,8 @@ def test_overwrite_refusal_nested_checkpoints_and_damaged_objects(bucket, capsys
     assert torch.equal(loaded["w"], torch.arange(6.0))
     local = tmp_path / "local"
     dist_ckpt.save(state, local)
-    from dist_ckpt.convert import convert_checkpoint
-    from dist_ckpt.export import export_safetensors
+    from dist_ckpt.tools.convert import convert_checkpoint
+    from dist_ckpt.tools.export import export_safetensors
 
     convert_checkpoint(local, f"s3://{bucket}/from_local", "torch_dist", storage_options=opts)
     export_safetensors(local, f"s3://{bucket}/hf_from_local", storage_options=opts)
@@ -217,7 +217,7 @@ def test_overwrite_refusal_nested_checkpoints_and_damaged_objects(bucket, capsys
 _KILLED_SAVE = textwrap.dedent('''
     import os, sys, torch
     import dist_ckpt
-    from dist_ckpt import object_store
+    from dist_ckpt.storage import object_store
 
     url, moment, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
     state = {f"t{i}": dist_ckpt.ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256, 1024), value))

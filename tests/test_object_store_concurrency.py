@@ -96,7 +96,7 @@ def _stalled(endpoint: str):
 
 
 def _save_to_stalled(rank: int, world: int, url: str, endpoint: str, deadline: float):
-    from dist_ckpt.object_store import StorageError
+    from dist_ckpt.storage.object_store import StorageError
 
     state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((2, 4), 1.0), (0, rank, world))}
     opts = {"dist_ckpt_deadline_s": deadline}
@@ -111,7 +111,7 @@ def _save_to_stalled(rank: int, world: int, url: str, endpoint: str, deadline: f
 def test_a_stalled_server_fails_loads_and_saves_within_the_deadline(bucket, s3_endpoint):
     """18.8: with the server stopped (SIGSTOP), a load's and a save's storage calls fail after the
     deadline with a StorageError naming the URL, on every rank - not after minutes."""
-    from dist_ckpt.object_store import DEFAULT_DEADLINE_S, StorageError
+    from dist_ckpt.storage.object_store import DEFAULT_DEADLINE_S, StorageError
 
     assert DEFAULT_DEADLINE_S == 60.0
     url = f"s3://{bucket}/ckpt"
@@ -186,7 +186,7 @@ def _race_two_writers(url: str, tmp: Path, values) -> dict:
 def test_two_writers_racing_one_url_exactly_one_commits(bucket, tmp_path):
     """18.7: before, both PUT the pointer, and the winner's cleanup deleted the other's data
     (or the loser's cleanup the winner's): the pointer named deleted objects."""
-    from dist_ckpt.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
+    from dist_ckpt.storage.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
 
     url = f"s3://{bucket}/ckpt"
     for round_, values in enumerate([(1.0, 2.0), (3.0, 4.0)]):  # no pointer yet (If-None-Match), then If-Match
@@ -210,7 +210,7 @@ def boto3_get(bucket: str, key: str) -> bytes:
 
 def test_a_young_save_directory_of_another_writer_survives_a_commit(bucket, tmp_path):
     """The winner's cleanup never removes a save younger than the grace period (B still uploads)."""
-    from dist_ckpt.object_store import SAVE_DIR_PREFIX
+    from dist_ckpt.storage.object_store import SAVE_DIR_PREFIX
 
     url = f"s3://{bucket}/ckpt"
     dist_ckpt.save(_state(1.0), url)
@@ -234,7 +234,7 @@ def test_a_reader_during_commits_loads_whole(bucket, monkeypatch):
     """18.7: a reader that read the pointer finishes with that save's objects after one commit
     (replaced data is deleted one generation later); after two commits its objects are gone and
     it reads the pointer again, once."""
-    from dist_ckpt import object_store
+    from dist_ckpt.storage import object_store
 
     monkeypatch.setenv("DIST_CKPT_SAVE_GRACE_S", "0")  # cleanup may remove any directory not kept by generation
     url = f"s3://{bucket}/ckpt"
@@ -270,8 +270,8 @@ def test_a_reader_during_commits_loads_whole(bucket, monkeypatch):
 
 def test_stores_without_conditional_writes_refuse_a_second_writer_by_a_lock_object():
     """memory:// has no conditional PUT: a lock object names the save in flight (best effort)."""
-    from dist_ckpt.commit import ConcurrentSaveError
-    from dist_ckpt.object_store import begin_remote_save
+    from dist_ckpt.storage.commit import ConcurrentSaveError
+    from dist_ckpt.storage.object_store import begin_remote_save
 
     url = f"memory://locks-{uuid.uuid4().hex[:8]}/ckpt"
     first = begin_remote_save(url, None, None)
@@ -290,7 +290,7 @@ def test_stores_without_conditional_writes_refuse_a_second_writer_by_a_lock_obje
 
 
 def test_a_url_that_is_a_run_root_is_refused_before_any_download(bucket, monkeypatch):
-    from dist_ckpt import object_store
+    from dist_ckpt.storage import object_store
     from dist_ckpt.manager import TRACKER_FNAME
 
     import boto3
@@ -312,7 +312,7 @@ def test_a_url_that_is_a_run_root_is_refused_before_any_download(bucket, monkeyp
 def test_leftover_partial_downloads_are_pruned(bucket):
     import hashlib
 
-    from dist_ckpt.object_store import _cache_root, open_location
+    from dist_ckpt.storage.object_store import _cache_root, open_location
 
     url = f"s3://{bucket}/ckpt"
     dist_ckpt.save(_state(1.0), url)
@@ -330,7 +330,7 @@ def test_leftover_partial_downloads_are_pruned(bucket):
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writer):
-    from dist_ckpt import object_store
+    from dist_ckpt.storage import object_store
     from dist_ckpt.strategies.async_utils import AsyncCallsQueue
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
@@ -370,7 +370,7 @@ def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writ
 
 def test_manager_on_an_s3_root_tracker_listing_retention_rollback(bucket, tmp_path, monkeypatch):
     """18.10: before, CheckpointManager("s3://bucket/run") wrote to a local directory ./s3:/bucket/run."""
-    from dist_ckpt.commit_order import COMMIT_ORDER_FNAME
+    from dist_ckpt.storage.commit_order import COMMIT_ORDER_FNAME
     from dist_ckpt.manager import TRACKER_FNAME, CheckpointManager, read_tracker
 
     monkeypatch.chdir(tmp_path)
@@ -403,7 +403,7 @@ def test_a_stalled_server_fails_the_managers_save_and_load_within_the_deadline(b
     """18.8 for the manager: with on_error="warn" a save against a stopped server is reported
     once and training goes on; a load raises StorageError naming the URL - within seconds."""
     from dist_ckpt.manager import CheckpointManager
-    from dist_ckpt.object_store import StorageError
+    from dist_ckpt.storage.object_store import StorageError
 
     root = f"s3://{bucket}/run"
     opts = {"dist_ckpt_deadline_s": 2}

@@ -183,7 +183,7 @@ def test_fully_parallel_tp2_dp2_spreads_writes_and_reads(tmp_path):
 
 
 def test_staging_buffers_reuse_and_budget():
-    from dist_ckpt.strategies.staging import StagingBuffers
+    from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
     tensors = [torch.full((256,), float(i)) for i in range(4)]  # 1 KiB each
     pool = StagingBuffers(budget_bytes=2500)
@@ -205,7 +205,7 @@ def test_staging_buffers_reuse_and_budget():
 def test_staging_buffers_belong_to_one_save_until_it_releases():
     """Issue 18.1: with saves overlapping, a released set goes to the next save, never a set an
     unreleased save holds - whichever save finishes first (a shared in-use flag did not)."""
-    from dist_ckpt.strategies.staging import StagingBuffers
+    from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
     tensors = [torch.zeros(64)]
     pool = StagingBuffers()
@@ -259,8 +259,8 @@ def test_writer_process_maps_staging_arenas_once(monkeypatch):
     import multiprocessing.resource_sharer as resource_sharer
 
     from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
-    from dist_ckpt.strategies.shared_arena import JobPickler
-    from dist_ckpt.strategies.staging import StagingBuffers
+    from dist_ckpt.runtime.shared_arena import JobPickler
+    from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
     passed = []
     sharer = resource_sharer._resource_sharer

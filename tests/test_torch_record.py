@@ -11,7 +11,7 @@ import zipfile
 import pytest
 import torch
 
-from dist_ckpt.strategies import torch_record as tr
+from dist_ckpt.strategies.dcp import record as tr
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.bool, torch.int8, torch.int64, torch.uint8,
           torch.complex64, torch.float8_e4m3fn, torch.uint16]

@@ -35,10 +35,10 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch.multiprocessing as torch_mp
 
-from ..collectives import DistWrapper
+from ..runtime.collectives import DistWrapper
 from ..core import CheckpointingException
-from ..interrupts import detach_from_interrupts
-from .shared_arena import JobPickler, forget_arenas, live_arena_ids
+from ..runtime.interrupts import detach_from_interrupts
+from ..runtime.shared_arena import JobPickler, forget_arenas, live_arena_ids
 
 logger = logging.getLogger(__name__)
 

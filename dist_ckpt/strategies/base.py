@@ -20,7 +20,7 @@ Contract for strategies that run collectives of their own (custom strategies rea
     ``AsyncSaveShardedStrategy``) and ``LoadShardedStrategy.load`` in a failure-sharing step: an
     exception on one rank is raised on every rank afterwards. A strategy whose ``save``/``load``
     calls collectives itself must not let one rank leave early: run every collective step
-    through ``dist_ckpt.collectives.DistWrapper`` (``all_run``, ``exchange``, ``all_reduce``,
+    through ``dist_ckpt.runtime.collectives.DistWrapper`` (``all_run``, ``exchange``, ``all_reduce``,
     ...), which raises the same error on every rank instead of leaving peers waiting;
   * an ``AsyncSaveShardedStrategy`` is responsible for sharing its own failures (its
     ``save``/``async_save`` are called directly, on every rank): staging copies and planning

@@ -31,7 +31,7 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         self._metadata_path = Path(path) / ".metadata"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from .dcp_io import DcpReader
+        from .dcp.files import DcpReader
 
         st = self._metadata_path.stat()
         key = (str(self._metadata_path.resolve()), st.st_mtime_ns, st.st_size)

@@ -3,7 +3,7 @@
 ``common.pt`` is ``torch.save`` of everything in the state dict that is not sharded, written
 by rank 0. Backends that cannot store objects themselves (zarr) keep each main-replica
 ShardedObject in ``<ckpt>/<key>/shard_<offset>_<shape>.pt``, as Megatron-Core does. Every
-load goes through the safe unpickler (see ``dist_ckpt.safe_unpickle``).
+load goes through the safe unpickler (see ``dist_ckpt.integrity.safe_unpickle``).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 
-from ..collectives import get_rank
-from ..commit import fsync_directory
+from ..runtime.collectives import get_rank
+from ..storage.commit import fsync_directory
 from ..core import CheckpointNotFoundError, CorruptCheckpointError
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
-from ..integrity import HashingWriter, read_verified, recorder_for
-from ..safe_unpickle import safe_torch_load
+from ..integrity.manifest import HashingWriter, read_verified, recorder_for
+from ..integrity.safe_unpickle import safe_torch_load
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ..collectives import DistWrapper
+from ..runtime.collectives import DistWrapper
 from ..dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from ..exchange_utils import (
     ShardDistribution,

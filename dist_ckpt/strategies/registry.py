@@ -66,14 +66,14 @@ _BUILTINS: Dict[RegistryKey, _Builtin] = {
     (StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin(
         "dist_ckpt.strategies.tensorstore", "TensorStoreLoadShardedStrategy", "tensorstore", ("tensorstore", "ml_dtypes")
     ),
-    # Checkpoints of other tools, recognised without metadata.json (dist_ckpt.formats).
-    (StrategyAction.LOAD_SHARDED, "dcp", 1): _Builtin("dist_ckpt.strategies.dcp_native", "NativeDcpLoadShardedStrategy"),
-    (StrategyAction.LOAD_COMMON, "dcp", 1): _Builtin("dist_ckpt.strategies.dcp_native", "NativeDcpLoadCommonStrategy"),
+    # Checkpoints of other tools, recognised without metadata.json (dist_ckpt.storage.formats).
+    (StrategyAction.LOAD_SHARDED, "dcp", 1): _Builtin("dist_ckpt.strategies.foreign.dcp_native", "NativeDcpLoadShardedStrategy"),
+    (StrategyAction.LOAD_COMMON, "dcp", 1): _Builtin("dist_ckpt.strategies.foreign.dcp_native", "NativeDcpLoadCommonStrategy"),
     (StrategyAction.LOAD_SHARDED, "safetensors", 1): _Builtin(
-        "dist_ckpt.strategies.hf_safetensors", "SafetensorsLoadShardedStrategy", "hf", ("safetensors",)
+        "dist_ckpt.strategies.foreign.hf_safetensors", "SafetensorsLoadShardedStrategy", "hf", ("safetensors",)
     ),
     (StrategyAction.LOAD_COMMON, "safetensors", 1): _Builtin(
-        "dist_ckpt.strategies.hf_safetensors", "SafetensorsLoadCommonStrategy", "hf", ("safetensors",)
+        "dist_ckpt.strategies.foreign.hf_safetensors", "SafetensorsLoadCommonStrategy", "hf", ("safetensors",)
     ),
 }
 

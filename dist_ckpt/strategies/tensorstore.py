@@ -14,7 +14,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..core import CorruptCheckpointError
-from ..geometry import Box
+from ..sharding.geometry import Box
 from .zarr_format import ZarrArrayLoadStrategy, ZarrArrayMeta
 
 __all__ = ["TensorStoreLoadShardedStrategy"]

@@ -35,25 +35,25 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..collectives import DistWrapper
-from ..fingerprint import structure_fingerprint
+from ..runtime.collectives import DistWrapper
+from ..sharding.fingerprint import structure_fingerprint
 from ..core import (
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
     ShardingError,
 )
-from ..commit import atomic_write_bytes, fsync_directory
-from ..geometry import find_overlap
+from ..storage.commit import atomic_write_bytes, fsync_directory
+from ..sharding.geometry import find_overlap
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..integrity import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
+from ..integrity.manifest import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from ..safe_unpickle import safe_torch_load
+from ..integrity.safe_unpickle import safe_torch_load
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
-from .staging import StagingBuffers, StagingLease
-from .dcp_io import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
-from .torch_dist_plan import (
+from .dcp.staging import StagingBuffers, StagingLease
+from .dcp.files import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
+from .dcp.plan import (
     ReadTask,
     make_global_save_plan,
     make_local_save_plan,

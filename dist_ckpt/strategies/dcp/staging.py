@@ -31,7 +31,7 @@ from typing import List, Optional
 
 import torch
 
-from .shared_arena import SharedArena
+from ...runtime.shared_arena import SharedArena
 
 __all__ = ["StagingBuffers", "StagingLease"]
 

@@ -34,7 +34,7 @@ from typing import IO, Any, Dict, Iterable, Iterator, List, Union
 import numpy as np
 import torch
 
-from .core import CorruptCheckpointError, UnsafePickleError
+from ..core import CorruptCheckpointError, UnsafePickleError
 
 __all__ = [
     "add_safe_globals",

@@ -29,9 +29,9 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from ..core import CorruptCheckpointError
-from ..integrity import Manifest, ManifestEntry, check_digest, expected_entry
-from .torch_record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
+from ...core import CorruptCheckpointError
+from ...integrity.manifest import Manifest, ManifestEntry, check_digest, expected_entry
+from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
 __all__ = ["ItemGroup", "read_item_groups", "copy_region", "READ_PIECE", "SMALL_BLOB"]
 

@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Collection, Optional
 
-from .core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
-from .strategies.common import COMMON_STATE_FNAME
+from ..core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
+from ..strategies.common import COMMON_STATE_FNAME
 
 __all__ = [
     "NATIVE_DCP_BACKEND",

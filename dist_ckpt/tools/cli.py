@@ -52,7 +52,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dist-ckpt`` parser; ``--help`` ends with every command's usage and an example."""
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,8 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from .core import CheckpointingException
-    from .timing import format_table, recording
+    from ..core import CheckpointingException
+    from ..runtime.timing import format_table, recording
 
     try:
         with recording() as times:
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
               f"in {len(result.files)} safetensors files")
     elif args.command == "validate":
-        from .checkpoint_check import validate_checkpoint
+        from .check import validate_checkpoint
 
         report = validate_checkpoint(args.directory, storage_options=storage_options,
                                      progress=_progress_bar("verifying", unit="file"))
@@ -215,8 +215,8 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "clean":
         from pathlib import Path
 
-        from .commit import clean as clean_leftovers
-        from .object_store import clean_url, is_url
+        from ..storage.commit import clean as clean_leftovers
+        from ..storage.object_store import clean_url, is_url
 
         removed = (clean_url(args.path, storage_options) if is_url(args.path)
                    else clean_leftovers(Path(args.path)))
@@ -224,7 +224,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"removed {path}")
         print(f"{len(removed)} leftover(s) removed")
     elif args.command == "strategies":
-        from .strategies.base import list_strategies
+        from ..strategies.base import list_strategies
 
         for row in list_strategies():
             print(row)

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import List
 
-from .core import CONFIG_FNAME
+from ..core import CONFIG_FNAME
 from .formats import SAFETENSORS_INDEX_FNAME
 
 __all__ = ["TRACKER_FNAME", "SUBCHECKPOINT_NAMES", "checkpoints_inside", "why_not_a_checkpoint"]

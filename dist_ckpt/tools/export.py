@@ -32,15 +32,15 @@ from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple, Un
 
 import torch
 
-from .commit import fsync_directory
-from .core import CheckpointExistsError, CheckpointingException
-from .formats import SAFETENSORS_INDEX_FNAME
-from .object_store import is_url, localize, new_scratch_dir, require_empty_prefix, upload_files
-from .serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
-from .strategies.base import LoadShardedStrategy
+from ..storage.commit import fsync_directory
+from ..core import CheckpointExistsError, CheckpointingException
+from ..storage.formats import SAFETENSORS_INDEX_FNAME
+from ..storage.object_store import is_url, localize, new_scratch_dir, require_empty_prefix, upload_files
+from ..serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
+from ..strategies.base import LoadShardedStrategy
 from .streaming import read_whole_tensor
-from .timing import phase
-from .strategies.torch_record import tensor_bytes
+from ..runtime.timing import phase
+from ..strategies.dcp.record import tensor_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ _renamers: Dict[str, KeyRenamer] = {"identity": lambda key: key}
 
 def _safetensors_dtype(dtype: torch.dtype) -> str:
     if not _TORCH_TO_SAFETENSORS:
-        from .strategies.hf_safetensors import SAFETENSORS_DTYPES
+        from ..strategies.foreign.hf_safetensors import SAFETENSORS_DTYPES
 
         _TORCH_TO_SAFETENSORS.update({v: k for k, v in SAFETENSORS_DTYPES.items()})
     if dtype not in _TORCH_TO_SAFETENSORS:
@@ -117,7 +117,7 @@ def get_key_renamer(name: str) -> KeyRenamer:
     if name not in _renamers:
         raise CheckpointingException(
             f"no key renamer named {name!r}; registered: {sorted(_renamers)} (add one with "
-            f"dist_ckpt.export.register_key_renamer or the '{KEY_RENAMER_ENTRY_POINT_GROUP}' entry-point group)"
+            f"dist_ckpt.tools.export.register_key_renamer or the '{KEY_RENAMER_ENTRY_POINT_GROUP}' entry-point group)"
         )
     return _renamers[name]
 

@@ -14,7 +14,7 @@ from typing import Iterable
 
 import xxhash
 
-from .mapping import ShardedObject, ShardedTensor
+from ..mapping import ShardedObject, ShardedTensor
 
 __all__ = ["structure_fingerprint"]
 

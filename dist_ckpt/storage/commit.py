@@ -47,8 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Set, Union
 
-from .interrupts import interrupts_deferred
-from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
+from ..runtime.interrupts import interrupts_deferred
+from ..core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes, \
     save_config
 
@@ -259,7 +259,7 @@ def checkpoint_entries(directory: Path) -> Set[str]:
     The format's own names, the files the manifest lists, and directories that hold nothing but
     zarr array or ShardedObject files. Everything else is someone else's and is never deleted.
     """
-    from .integrity import MANIFEST_FNAME, parse_manifest
+    from ..integrity.manifest import MANIFEST_FNAME, parse_manifest
 
     files = []
     for root, _, names in os.walk(directory):  # does not follow symlinked directories
@@ -599,7 +599,7 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
 
 def write_manifest_and_config(directory: Path, config: CheckpointingConfig, entries: "List[Any]") -> None:
     """The manifest, then ``metadata.json`` (both hashed, in the manifest): a checkpoint's last files."""
-    from .integrity import ManifestEntry, hash_bytes, write_manifest
+    from ..integrity.manifest import ManifestEntry, hash_bytes, write_manifest
 
     content = config_bytes(config)
     write_manifest(directory, list(entries) + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Dict, Iterable, List, Tuple
 
-from .core import CheckpointingException
+from ..core import CheckpointingException
 from .run_root import RunRoot
 
 __all__ = ["COMMIT_ORDER_FNAME", "read_commit_order", "record_save_start", "newest_first"]

@@ -77,9 +77,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from .commit import OVERWRITE_HINT, ConcurrentSaveError, checkpoint_entries_of
 from .formats import describe_foreign, foreign_format_of
-from .interrupts import interrupts_deferred
+from ..runtime.interrupts import interrupts_deferred
 from .locations import TRACKER_FNAME
-from .core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
+from ..core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
     CheckpointNotFoundError, config_bytes
 
 logger = logging.getLogger(__name__)
@@ -559,7 +559,7 @@ def _put(loc: StoreLocation, source: Path, names: Sequence[str], under: str = ""
 def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
     """One process: a complete local checkpoint directory (``convert``'s output) to the URL of
     ``remote`` (from ``begin_remote_save``), with the same commit as a save."""
-    from .core import maybe_load_config
+    from ..core import maybe_load_config
 
     config = maybe_load_config(local)
     if config is None:  # pragma: no cover - the caller committed it

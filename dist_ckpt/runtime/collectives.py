@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .core import CheckpointingException
+from ..core import CheckpointingException
 
 __all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size", "collective_device", "to_collective_device",
            "empty_for_collective"]

@@ -18,12 +18,12 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..core import CorruptCheckpointError, KeyMismatchError
-from ..dict_utils import dict_list_map_inplace, nested_values
-from ..formats import SAFETENSORS_BACKEND, SAFETENSORS_INDEX_FNAME
-from ..geometry import Box, intersect
-from ..mapping import ShardedStateDict, ShardedTensor, StateDict
-from .base import LoadCommonStrategy, LoadShardedStrategy
+from ...core import CorruptCheckpointError, KeyMismatchError
+from ...dict_utils import dict_list_map_inplace, nested_values
+from ...storage.formats import SAFETENSORS_BACKEND, SAFETENSORS_INDEX_FNAME
+from ...sharding.geometry import Box, intersect
+from ...mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..base import LoadCommonStrategy, LoadShardedStrategy
 
 __all__ = [
     "SafetensorsLoadShardedStrategy",

@@ -38,9 +38,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..core import CorruptCheckpointError, KeyMismatchError, ShardingError
-from ..geometry import Box, Piece, intersect
-from ..mapping import ShardedObject, ShardedTensor
+from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
+from ...sharding.geometry import Box, Piece, intersect
+from ...mapping import ShardedObject, ShardedTensor
 
 __all__ = [
     "REFORMULATED_SHAPE_KEY",

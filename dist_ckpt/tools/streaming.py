@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .mapping import ShardedTensor
-from .strategies.base import LoadShardedStrategy
+from ..mapping import ShardedTensor
+from ..strategies.base import LoadShardedStrategy
 
 __all__ = ["read_whole_tensor"]
 

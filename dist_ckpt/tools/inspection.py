@@ -16,11 +16,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from .formats import describe_format, detect_checkpoint_config
-from .integrity import MANIFEST_FNAME
-from .mapping import ShardedObject, ShardedTensor
-from .object_store import localize
-from .timing import phase
+from ..storage.formats import describe_format, detect_checkpoint_config
+from ..integrity.manifest import MANIFEST_FNAME
+from ..mapping import ShardedObject, ShardedTensor
+from ..storage.object_store import localize
+from ..runtime.timing import phase
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
 
@@ -61,7 +61,7 @@ def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, Te
     if backend in ("torch_dist", "dcp"):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from .strategies.torch_dist import read_dcp_metadata
+        from ..strategies.torch_dist import read_dcp_metadata
 
         metadata = read_dcp_metadata(directory)
         files: Dict[str, set] = defaultdict(set)
@@ -78,7 +78,7 @@ def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, Te
             chunks = sum(1 for p in array_meta.parent.iterdir() if not p.name.startswith("."))
             out[key] = TensorSummary("", [], 0, chunks, [])
     elif backend == "safetensors":
-        from .strategies.hf_safetensors import read_safetensors_index
+        from ..strategies.foreign.hf_safetensors import read_safetensors_index
 
         for key, entry in read_safetensors_index(directory).items():
             out[key] = TensorSummary("", [], 0, 1, [entry.file])
@@ -87,7 +87,7 @@ def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, Te
 
 def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optional[dict] = None) -> CheckpointSummary:
     """Everything ``inspect`` shows, for a path or URL (no tensor data read)."""
-    from .serialization import load_common_state_dict, load_sharded_metadata
+    from ..serialization import load_common_state_dict, load_sharded_metadata
 
     with phase("download" if isinstance(source, str) and "://" in source else "open"):
         directory = localize(source, storage_options)
