@@ -18,7 +18,7 @@ from .core import (
     UnknownStrategyError,
     UnsafePickleError,
 )
-from .storage.commit import ConcurrentSaveError
+from .storage.lock import ConcurrentSaveError
 from .mapping import (
     LocalNonpersistentObject,
     ShardedObject,

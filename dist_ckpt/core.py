@@ -1,4 +1,5 @@
-"""Exception hierarchy and the checkpoint's ``metadata.json`` (``CheckpointingConfig``).
+"""The bottom layer: the exception hierarchy, the file names of a checkpoint, and its
+``metadata.json`` (``CheckpointingConfig``).
 
 ``metadata.json`` is the commit marker of a checkpoint: it is written last, by the
 coordinator, atomically (temp file, fsync, rename, fsync of the directory), only after every
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, Union
 
+from .runtime.durable import atomic_write_bytes
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -33,13 +36,17 @@ __all__ = [
     "UnsafePickleError",
     "CheckpointingConfig",
     "CONFIG_FNAME",
+    "COMMON_STATE_FNAME",
+    "DCP_METADATA_FNAME",
     "save_config",
     "config_bytes",
     "maybe_load_config",
     "check_is_distributed_checkpoint",
 ]
 
-CONFIG_FNAME = "metadata.json"
+CONFIG_FNAME = "metadata.json"  # the commit marker, written last
+COMMON_STATE_FNAME = "common.pt"  # torch.save of the non-sharded state, by rank 0
+DCP_METADATA_FNAME = ".metadata"  # the index of a torch_dist (PyTorch DCP) checkpoint
 MAX_CONFIG_BYTES = 1 << 20
 PathLike = Union[str, os.PathLike]
 
@@ -131,8 +138,6 @@ def config_bytes(config: CheckpointingConfig) -> bytes:
 
 def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
     """Write ``metadata.json`` (durably, atomically): the last file of a checkpoint."""
-    from .storage.commit import atomic_write_bytes  # commit builds on this module
-
     atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, config_bytes(config))
 
 

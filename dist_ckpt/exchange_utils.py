@@ -16,10 +16,10 @@ from typing import Dict, Hashable, List, NamedTuple, Optional, Set, Tuple, TypeV
 import torch
 import torch.distributed as dist
 
-from .runtime.collectives import empty_for_collective, to_collective_device
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from .runtime.collectives import empty_for_collective, to_collective_device
 
 __all__ = [
     "ShardDistribution",

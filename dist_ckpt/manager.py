@@ -41,13 +41,13 @@ import re
 from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
-from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
-from .runtime.collectives import DistWrapper
-from .storage.commit_order import newest_first, read_commit_order, record_save_start
-from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
 from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
 from .mapping import ShardedStateDict, StateDict
+from .runtime.collectives import DistWrapper
 from .serialization import load, save
+from .storage.commit_order import newest_first, read_commit_order, record_save_start
+from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
+from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import SaveShardedStrategy
 

@@ -21,25 +21,18 @@ from typing import Callable, List, Optional, Set, Tuple, TypeVar, Union, cast
 
 import torch
 
-from .runtime.collectives import DistWrapper
-from .storage.commit import StagedSave, begin_save, commit_staged, link_checkpoint_entries, write_manifest_and_config
-from .storage.object_store import RemoteSave, WriteThenUpload, begin_remote_save, files_owned, is_url, localize, \
-    scratch_listing, written_files
 from .core import (
     CheckpointingConfig,
     CheckpointingException,
     check_is_distributed_checkpoint,
 )
+from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from .integrity.manifest import (
     ManifestEntry,
     forget_recorder,
     open_recorder,
     verification,
 )
-from .dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
-from .sharding.fingerprint import structure_fingerprint
-from .sharding.partition import assemble, compare_common_state_dicts, split_state_dict
-from .runtime.timing import phase, progress_display
 from .mapping import (
     ShardedBase,
     ShardedObject,
@@ -48,8 +41,23 @@ from .mapping import (
     StateDict,
     apply_factory_merges,
 )
+from .runtime.collectives import DistWrapper
+from .runtime.timing import phase, progress_display
+from .sharding.fingerprint import structure_fingerprint
+from .sharding.partition import assemble, compare_common_state_dicts, split_state_dict
+from .storage.commit import StagedSave, begin_save, commit_staged, write_manifest_and_config
+from .storage.entries import link_checkpoint_entries
+from .storage.object_store import (
+    RemoteSave,
+    WriteThenUpload,
+    begin_remote_save,
+    files_owned,
+    is_url,
+    localize,
+    scratch_listing,
+    written_files,
+)
 from .strategies.async_utils import AsyncRequest
-from .utils import gc_paused
 from .strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -59,6 +67,7 @@ from .strategies.base import (
     StrategyAction,
     resolve_strategy,
 )
+from .utils import gc_paused
 from .validation import (
     StrictHandling,
     parse_strict_flag,

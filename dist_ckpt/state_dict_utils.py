@@ -19,7 +19,10 @@ from .mapping import (
     StateDict,
     apply_factories,
 )
+from .runtime.collectives import DistWrapper
+from .serialization import compare_common_state_dicts
 from .utils import extract_nonpersistent, extract_sharded_base
+from .validation import determine_global_metadata, validate_sharding_integrity
 
 __all__ = ["save_preprocess", "load_preprocess", "filter_out_empty_flatten_tensor"]
 
@@ -49,10 +52,6 @@ def save_preprocess(
     sharded_part, common_state_dict = extract_sharded_base(persistent)
     sharded_part = filter_out_empty_flatten_tensor(sharded_part)
     if validate_access_integrity:
-        from .runtime.collectives import DistWrapper
-        from .serialization import compare_common_state_dicts
-        from .validation import determine_global_metadata, validate_sharding_integrity
-
         dist = DistWrapper()
         if dist.world_size > 1:
             compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)

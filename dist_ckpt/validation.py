@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections import defaultdict
 from enum import Enum
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
-
-import os
 from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .core import (
     CONFIG_FNAME,
@@ -29,13 +28,14 @@ from .core import (
     ShardingError,
     StrategyCompatibilityError,
 )
-from .storage.commit import is_dist_ckpt_leftover
-from .storage.locations import why_not_a_checkpoint
 from .dict_utils import extract_matching_values, nested_values
-from .storage.formats import detect_checkpoint_config
-from .sharding.geometry import find_overlap
 from .integrity.manifest import verify_bytes
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
+from .runtime.collectives import DistWrapper
+from .sharding.geometry import find_overlap
+from .storage.formats import detect_checkpoint_config
+from .storage.leftovers import is_dist_ckpt_leftover
+from .storage.locations import why_not_a_checkpoint
 from .strategies.base import LoadCommonStrategy, LoadShardedStrategy, StrategyAction, resolve_strategy
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,6 @@ def adjust_non_strict_load(sharded_state_dict: ShardedStateDict, sharded_keys_to
 def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[LocalMetadata, GlobalMetadata]:
     """(this rank's sharded items without data, every rank's): one all-gather, collective,
     with a failure on any rank raised on all."""
-    from .runtime.collectives import DistWrapper
 
     local = [sh.without_data() for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedBase)]
     return local, DistWrapper().all_gather(lambda: local)

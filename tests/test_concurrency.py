@@ -273,13 +273,14 @@ def _without_exchange_and_raced(monkeypatch, target: Path, intruder: str) -> Non
     """No renameat2 swap (as on NFS); right after the old checkpoint is renamed aside, another
     process recreates the target and writes ``intruder`` into it."""
     import dist_ckpt.storage.commit as commit
+    import dist_ckpt.storage.leftovers as leftovers
 
     monkeypatch.setattr(commit, "_exchange", lambda a, b: False)
     real_fsync = commit.fsync_directory
 
     def fsync_then_race(path):
         real_fsync(path)
-        if Path(path) == target.parent and not target.exists() and commit._leftovers_of(target, commit.OLD_MARK):
+        if Path(path) == target.parent and not target.exists() and leftovers.leftovers_of(target, leftovers.OLD_MARK):
             target.mkdir()
             (target / intruder).write_text("written by another process")
 
@@ -289,7 +290,7 @@ def _without_exchange_and_raced(monkeypatch, target: Path, intruder: str) -> Non
 def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     """18.6: before, the second rename failed, abort deleted the new checkpoint, recover skipped
     (the target existed) and the next save disposed of the moved-aside old one: both gone."""
-    import dist_ckpt.storage.commit as commit
+    from dist_ckpt.storage.leftovers import leftovers_beside
 
     target = tmp_path / "iter_0000100"
     dist_ckpt.save(_state(1.0), target)
@@ -301,7 +302,7 @@ def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(
     assert "previous checkpoint is back" in str(info.value)
     assert _value(dist_ckpt.load(_state(0.0), target)) == 1.0  # the old one, loadable at once
     assert (target / "train.log").read_text() == "written by another process" and (target / "config.yaml").exists()
-    assert not commit.leftovers_beside(target)
+    assert not leftovers_beside(target)
     dist_ckpt.save(_state(3.0), target)  # and the next save replaces it normally
     assert _value(dist_ckpt.load(_state(0.0), target)) == 3.0 and (target / "train.log").exists()
 
@@ -309,7 +310,7 @@ def test_commit_without_exchange_raced_between_renames_keeps_the_old_checkpoint(
 def test_a_moved_aside_checkpoint_that_cannot_go_back_is_kept_until_clean(tmp_path, monkeypatch):
     """The intruder wrote a file with a checkpoint file's name: the old checkpoint cannot go back
     at once; loads name `dist-ckpt clean`, later saves keep it, clean restores it."""
-    import dist_ckpt.storage.commit as commit
+    from dist_ckpt.storage.clean import clean
 
     target = tmp_path / "ckpt"
     dist_ckpt.save(_state(1.0), target)
@@ -322,7 +323,7 @@ def test_a_moved_aside_checkpoint_that_cannot_go_back_is_kept_until_clean(tmp_pa
     other = tmp_path / "other"
     dist_ckpt.save(_state(5.0), other)  # unrelated saves beside it do not touch it
     (target / "common.pt").unlink()  # the other process is done and its file gone
-    assert commit.clean(target) == [] and _value(dist_ckpt.load(_state(0.0), target)) == 1.0
+    assert clean(target) == [] and _value(dist_ckpt.load(_state(0.0), target)) == 1.0
 
 
 # -- 18.12: the writer's timeout counts from the start of its own write ----------------------------

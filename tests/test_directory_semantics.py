@@ -15,6 +15,8 @@ import torch
 
 import dist_ckpt
 import dist_ckpt.storage.commit as commit_mod
+from dist_ckpt.storage.clean import clean
+from dist_ckpt.storage.leftovers import STAGING_MARK
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 
@@ -172,11 +174,11 @@ def test_clean_moves_foreign_files_out_of_leftovers_before_deleting_them(tmp_pat
     a file whose original was meanwhile deleted). ``clean`` deletes only what is ours."""
     ckpt = tmp_path / "c"
     dist_ckpt.save(_state(1), ckpt)
-    leftover = tmp_path / f".c{commit_mod.STAGING_MARK}0123456789ab"
+    leftover = tmp_path / f".c{STAGING_MARK}0123456789ab"
     leftover.mkdir()
     (leftover / "common.pt").write_bytes(b"partial")
     (leftover / "only_copy.txt").write_text("the original was deleted meanwhile")
-    assert commit_mod.clean(ckpt) == [leftover]
+    assert clean(ckpt) == [leftover]
     assert (ckpt / "only_copy.txt").read_text() == "the original was deleted meanwhile"
     _assert_holds(ckpt, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

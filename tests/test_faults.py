@@ -13,7 +13,9 @@ import torch
 
 import dist_ckpt
 from dist_ckpt import ShardedTensor
-from dist_ckpt.storage.commit import OLD_MARK, STAGING_MARK, SaveLock, clean
+from dist_ckpt.storage.clean import clean
+from dist_ckpt.storage.leftovers import OLD_MARK, STAGING_MARK
+from dist_ckpt.storage.lock import SaveLock
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.runtime.launch import run_processes
 from small_fs import small_tmpfs

@@ -312,7 +312,7 @@ def test_trusted_unpickling_applies_to_the_calling_thread_only(ckpts):
 
 
 def test_remove_sharded_tensors_is_crash_consistent_and_locked(ckpts, monkeypatch):
-    import dist_ckpt.storage.commit as commit_mod
+    import dist_ckpt.storage.lock as lock_mod
     import dist_ckpt.strategies.torch_dist as torch_dist
 
     ckpt = ckpts["torch_dist"]
@@ -333,9 +333,9 @@ def test_remove_sharded_tensors_is_crash_consistent_and_locked(ckpts, monkeypatc
     assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == before
     monkeypatch.setattr(torch_dist, "update_manifest", original)
     # 2. another save holds the lock: refused
-    lock = commit_mod.SaveLock(ckpt)
+    lock = lock_mod.SaveLock(ckpt)
     try:
-        with pytest.raises(commit_mod.ConcurrentSaveError):
+        with pytest.raises(lock_mod.ConcurrentSaveError):
             dist_ckpt.remove_sharded_tensors(ckpt, "v")
     finally:
         lock.release()

@@ -270,7 +270,7 @@ def test_a_reader_during_commits_loads_whole(bucket, monkeypatch):
 
 def test_stores_without_conditional_writes_refuse_a_second_writer_by_a_lock_object():
     """memory:// has no conditional PUT: a lock object names the save in flight (best effort)."""
-    from dist_ckpt.storage.commit import ConcurrentSaveError
+    from dist_ckpt.storage.lock import ConcurrentSaveError
     from dist_ckpt.storage.object_store import begin_remote_save
 
     url = f"memory://locks-{uuid.uuid4().hex[:8]}/ckpt"

@@ -25,8 +25,8 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Uni
 
 import xxhash
 
-from ..storage.commit import atomic_write_bytes
 from ..core import CorruptCheckpointError
+from ..runtime.durable import atomic_write_bytes
 
 logger = logging.getLogger(__name__)
 

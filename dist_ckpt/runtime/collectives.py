@@ -17,7 +17,6 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core import CheckpointingException

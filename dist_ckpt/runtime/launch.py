@@ -22,6 +22,7 @@ interpreter then waits for them at exit), and it reports a rank's exception as t
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import signal
@@ -35,7 +36,6 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from multiprocessing.process import BaseProcess
 from typing import Any, Callable, Iterator, List, Optional, Sequence, cast
 
-import multiprocessing
 import torch.distributed as dist
 
 from .interrupts import detach_from_interrupts

@@ -12,9 +12,9 @@ import logging
 import pickle
 from typing import Any, Callable, Optional, Tuple
 
-from ..runtime.collectives import DistWrapper
 from ..dict_utils import diff, extract_matching_values
 from ..mapping import LocalNonpersistentObject, ShardedBase, ShardedStateDict, StateDict, apply_factories
+from ..runtime.collectives import DistWrapper
 from ..utils import extract_nonpersistent, extract_sharded_base
 
 logger = logging.getLogger("dist_ckpt.serialization")  # the messages users know, under their old name

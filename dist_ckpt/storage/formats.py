@@ -19,8 +19,7 @@ import os
 from pathlib import Path
 from typing import Collection, Optional
 
-from ..core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config
-from ..strategies.common import COMMON_STATE_FNAME
+from ..core import COMMON_STATE_FNAME, CONFIG_FNAME, DCP_METADATA_FNAME, CheckpointingConfig, maybe_load_config
 
 __all__ = [
     "NATIVE_DCP_BACKEND",
@@ -31,12 +30,12 @@ __all__ = [
     "foreign_format_in",
     "describe_format",
     "describe_foreign",
+    "foreign_checkpoint_at",
 ]
 
 NATIVE_DCP_BACKEND = "dcp"
 SAFETENSORS_BACKEND = "safetensors"
 SAFETENSORS_INDEX_FNAME = "model.safetensors.index.json"
-_DCP_METADATA = ".metadata"
 
 
 def foreign_format_of(names: Collection[str]) -> Optional[str]:
@@ -50,7 +49,7 @@ def foreign_format_of(names: Collection[str]) -> Optional[str]:
     ``common.pt`` (written first)."""
     if CONFIG_FNAME in names:
         return None
-    if _DCP_METADATA in names and COMMON_STATE_FNAME not in names:
+    if DCP_METADATA_FNAME in names and COMMON_STATE_FNAME not in names:
         return NATIVE_DCP_BACKEND
     if SAFETENSORS_INDEX_FNAME in names or any(n.endswith(".safetensors") for n in names):
         return SAFETENSORS_BACKEND
@@ -93,3 +92,9 @@ def describe_format(checkpoint_dir: Path) -> str:
     if config is None:
         return "not a checkpoint"
     return describe_foreign(config.sharded_backend)
+
+
+def foreign_checkpoint_at(path: Path) -> Optional[str]:
+    """What another tool's checkpoint at ``path`` is, described for an error (None: none)."""
+    foreign = foreign_format_in(path)
+    return None if foreign is None else describe_foreign(foreign)

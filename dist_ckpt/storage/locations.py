@@ -14,6 +14,7 @@ from typing import List
 
 from ..core import CONFIG_FNAME
 from .formats import SAFETENSORS_INDEX_FNAME
+from .leftovers import is_dist_ckpt_leftover, leftovers_beside, missing_target_hint
 
 __all__ = ["TRACKER_FNAME", "SUBCHECKPOINT_NAMES", "checkpoints_inside", "why_not_a_checkpoint"]
 
@@ -40,8 +41,6 @@ def checkpoints_inside(directory: Path) -> List[str]:
 
     Not counted: ``SUBCHECKPOINT_NAMES`` directly inside, what interrupted saves left (the
     save of that other target cleans them), zarr arrays (not descended into), symlinks."""
-    from .commit import is_dist_ckpt_leftover
-
     found: List[str] = []
     if os.path.isfile(os.path.join(directory, TRACKER_FNAME)):
         found.append(f"{TRACKER_FNAME} (a Megatron-LM root of checkpoints)")
@@ -72,8 +71,6 @@ def checkpoints_inside(directory: Path) -> List[str]:
 
 def why_not_a_checkpoint(path: Path) -> str:
     """The message of a load of ``path``, which holds no committed checkpoint of any format."""
-    from .commit import is_dist_ckpt_leftover, leftovers_beside, missing_target_hint
-
     beside = leftovers_beside(Path(os.path.abspath(path)))
     clean_hint = missing_target_hint(path) or ((
         f"; an interrupted save of it left {beside[-1].name} beside it (not a checkpoint): "

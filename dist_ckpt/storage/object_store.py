@@ -75,12 +75,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
-from .commit import OVERWRITE_HINT, ConcurrentSaveError, checkpoint_entries_of
-from .formats import describe_foreign, foreign_format_of
+from ..core import (
+    CONFIG_FNAME,
+    CheckpointExistsError,
+    CheckpointingConfig,
+    CheckpointingException,
+    CheckpointNotFoundError,
+    config_bytes,
+    maybe_load_config,
+)
 from ..runtime.interrupts import interrupts_deferred
+from .entries import checkpoint_entries_of
+from .formats import describe_foreign, foreign_format_of
+from .leftovers import OVERWRITE_HINT
 from .locations import TRACKER_FNAME
-from ..core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
-    CheckpointNotFoundError, config_bytes
+from .lock import ConcurrentSaveError
 
 logger = logging.getLogger(__name__)
 
@@ -559,8 +568,6 @@ def _put(loc: StoreLocation, source: Path, names: Sequence[str], under: str = ""
 def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
     """One process: a complete local checkpoint directory (``convert``'s output) to the URL of
     ``remote`` (from ``begin_remote_save``), with the same commit as a save."""
-    from ..core import maybe_load_config
-
     config = maybe_load_config(local)
     if config is None:  # pragma: no cover - the caller committed it
         raise CheckpointingException(f"{local} is not a committed checkpoint")

@@ -18,8 +18,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Union
 
-from .commit import atomic_write_bytes, checkpoint_entries, checkpoint_entries_of, fsync_directory
 from ..core import CONFIG_FNAME, CheckpointNotFoundError
+from ..runtime.durable import atomic_write_bytes, fsync_directory
+from .entries import checkpoint_entries, checkpoint_entries_of
 from .object_store import SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
 
 logger = logging.getLogger(__name__)

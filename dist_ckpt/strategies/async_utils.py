@@ -35,8 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch.multiprocessing as torch_mp
 
-from ..runtime.collectives import DistWrapper
 from ..core import CheckpointingException
+from ..runtime.collectives import DistWrapper
 from ..runtime.interrupts import detach_from_interrupts
 from ..runtime.shared_arena import JobPickler, forget_arenas, live_arena_ids
 

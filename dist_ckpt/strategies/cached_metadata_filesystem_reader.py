@@ -17,6 +17,8 @@ from typing import Any, Dict, Tuple, Union
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .dcp.files import DcpReader
+
 __all__ = ["CachedMetadataFileSystemReader"]
 
 _cache: Dict[Tuple[str, int, int], Metadata] = {}
@@ -31,8 +33,6 @@ class CachedMetadataFileSystemReader(FileSystemReader):
         self._metadata_path = Path(path) / ".metadata"
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        from .dcp.files import DcpReader
-
         st = self._metadata_path.stat()
         key = (str(self._metadata_path.resolve()), st.st_mtime_ns, st.st_size)
         with _lock:

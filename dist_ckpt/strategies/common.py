@@ -12,14 +12,13 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-
-from ..runtime.collectives import get_rank
-from ..storage.commit import fsync_directory
-from ..core import CheckpointNotFoundError, CorruptCheckpointError
+from ..core import COMMON_STATE_FNAME, CheckpointNotFoundError, CorruptCheckpointError
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..integrity.manifest import HashingWriter, read_verified, recorder_for
 from ..integrity.safe_unpickle import safe_torch_load
+from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
+from ..runtime.collectives import get_rank
+from ..runtime.durable import fsync_directory
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
 __all__ = [
@@ -30,7 +29,6 @@ __all__ = [
     "register_default_common_strategies",
 ]
 
-COMMON_STATE_FNAME = "common.pt"
 
 
 def durable_torch_save(obj: Any, path: Path, checkpoint_dir: Path, key: Optional[str] = None) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ..runtime.collectives import DistWrapper
+from ..core import CheckpointingException
 from ..dict_utils import dict_list_map_outplace, extract_matching_values, nested_values
 from ..exchange_utils import (
     ShardDistribution,
@@ -28,6 +28,7 @@ from ..exchange_utils import (
     shard_id,
 )
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..runtime.collectives import DistWrapper
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 
@@ -87,8 +88,6 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> AsyncRequest:
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
-            from ..core import CheckpointingException
-
             raise CheckpointingException(
                 f"async save needs an AsyncSaveShardedStrategy to wrap, got {self.base_strategy}"
             )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Literal, Optional, Tuple, Union, overload
 
 from ..core import DuplicateStrategyError, UnknownStrategyError
-from .base import (  # base imports this module at its end, after these classes exist
+from .interfaces import (
     LoadCommonStrategy,
     LoadShardedStrategy,
     SaveCommonStrategy,

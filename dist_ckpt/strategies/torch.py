@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, WriteItem
 from ..core import MismatchError
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor
 from .base import StrategyAction, register_default_strategy
+from .dcp.metadata import MCoreMetadata, MCoreSavePlan
 from .torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
 __all__ = [
@@ -40,20 +41,6 @@ __all__ = [
 ]
 
 OBJ_PATH = Tuple[Any, ...]
-
-
-class MCoreMetadata(Metadata):
-    """DCP ``Metadata`` with Megatron-Core's ``mcore_data`` (per-key extras such as the original
-    shape of a flattened tensor). Megatron-Core pickles plain ``Metadata`` with that attribute
-    set; this name exists so that code referring to it imports."""
-
-    mcore_data: Dict[str, Dict[str, Any]]
-
-
-class MCoreSavePlan(SavePlan):
-    """A DCP ``SavePlan`` carrying Megatron-Core's per-key ``mcore_data``."""
-
-    mcore_data: Dict[str, Dict[str, Any]]
 
 
 def register_default_torch_strategies() -> None:

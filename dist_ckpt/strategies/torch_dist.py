@@ -18,8 +18,8 @@ import copy
 import io
 import logging
 import pickle
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
@@ -35,23 +35,22 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from ..runtime.collectives import DistWrapper
-from ..sharding.fingerprint import structure_fingerprint
 from ..core import (
     CheckpointingException,
     CorruptCheckpointError,
     KeyMismatchError,
     ShardingError,
 )
-from ..storage.commit import atomic_write_bytes, fsync_directory
-from ..sharding.geometry import find_overlap
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity.manifest import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ..integrity.safe_unpickle import safe_torch_load
+from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..runtime.collectives import DistWrapper
+from ..runtime.durable import atomic_write_bytes, fsync_directory
+from ..sharding.fingerprint import structure_fingerprint
+from ..sharding.geometry import find_overlap
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
-from .dcp.staging import StagingBuffers, StagingLease
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .dcp.plan import (
     ReadTask,
@@ -61,6 +60,7 @@ from .dcp.plan import (
     stored_global_shape,
     stored_tensor_catalog,
 )
+from .dcp.staging import StagingBuffers, StagingLease
 
 logger = logging.getLogger(__name__)
 

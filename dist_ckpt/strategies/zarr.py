@@ -28,14 +28,14 @@ import zarr
 from zarr.core.dtype import DataTypeValidationError, data_type_registry
 from zarr.core.dtype.npy.float import BaseFloat
 
-from ..runtime.collectives import DistWrapper
-from ..storage.commit import atomic_write_bytes, fsync_directory, fsync_path
 from ..core import ShardingError
 from ..dict_utils import nested_values
-from ..sharding.geometry import Box
-from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from .base import SaveShardedStrategy
 from ..integrity.manifest import Recorder, recorder_for
+from ..mapping import ShardedStateDict, ShardedTensor, is_main_replica
+from ..runtime.collectives import DistWrapper
+from ..runtime.durable import atomic_write_bytes, fsync_directory, fsync_path
+from ..sharding.geometry import Box
+from .base import SaveShardedStrategy
 from .zarr_format import (
     ZARR_DTYPES,
     ZARRAY,

@@ -28,9 +28,9 @@ import torch
 
 from ..core import CheckpointingException, CorruptCheckpointError, KeyMismatchError, ShardingError
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..sharding.geometry import Box, intersect
 from ..integrity.manifest import load_manifest, update_manifest, verification, verification_enabled, verify_bytes
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..sharding.geometry import Box, intersect
 from .base import LoadShardedStrategy
 
 __all__ = [

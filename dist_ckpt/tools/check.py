@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Union
 
-from ..core import CheckpointingException
+from ..core import CONFIG_FNAME, CheckpointingException
 from ..integrity.manifest import MANIFEST_FNAME, Manifest, hash_bytes, load_manifest, verification
-from ..runtime.timing import phase
 from ..mapping import ShardedObject
+from ..runtime.timing import phase
+from ..serialization import load_sharded_metadata
+from ..storage.entries import checkpoint_entries
+from ..storage.object_store import is_url, local_copy, localize
+from ..validation import verify_checkpoint_and_load_strategy
 
 __all__ = ["ValidationReport", "validate_checkpoint"]
 
@@ -61,8 +65,6 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
                         storage_options: Optional[dict] = None,
                         progress: Optional[Callable[[Iterable], Iterable]] = None) -> ValidationReport:
     """Check the checkpoint at a path or URL (a URL's objects are checked in the local cache copy)."""
-    from ..storage.object_store import is_url, local_copy, localize
-    from ..validation import verify_checkpoint_and_load_strategy
 
     directory = (local_copy(str(checkpoint_dir), storage_options, refresh=True) if is_url(checkpoint_dir)
                  else localize(checkpoint_dir, storage_options))
@@ -126,8 +128,6 @@ def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationRep
 
 def _structure_extent(directory: Path, sharded) -> "tuple[int, int]":
     """How many tensors the structure check covered, and how many files hold the checkpoint's data."""
-    from ..storage.commit import checkpoint_entries
-    from ..core import CONFIG_FNAME
 
     try:
         tensors = len(sharded.load_tensors_metadata(directory))
@@ -141,7 +141,6 @@ def _structure_extent(directory: Path, sharded) -> "tuple[int, int]":
 
 
 def _load_objects(directory: Path, sharded, common) -> None:
-    from ..serialization import load_sharded_metadata
 
     objects = {k: v for k, v in load_sharded_metadata(directory, sharded, common).items() if isinstance(v, ShardedObject)}
     if not objects:

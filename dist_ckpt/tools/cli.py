@@ -215,7 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     elif args.command == "clean":
         from pathlib import Path
 
-        from ..storage.commit import clean as clean_leftovers
+        from ..storage.clean import clean as clean_leftovers
         from ..storage.object_store import clean_url, is_url
 
         removed = (clean_url(args.path, storage_options) if is_url(args.path)

@@ -14,13 +14,13 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
-from ..storage.commit import begin_save
 from ..core import CheckpointingConfig
 from ..integrity.manifest import forget_recorder, open_recorder
-from ..storage.object_store import begin_remote_save, is_url, localize, new_scratch_dir, publish_checkpoint
-from ..runtime.timing import phase
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from ..runtime.timing import phase
 from ..serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
+from ..storage.commit import begin_save
+from ..storage.object_store import begin_remote_save, is_url, localize, new_scratch_dir, publish_checkpoint
 from ..strategies.base import StrategyAction, resolve_strategy
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional, Tuple, cast
 import torch
 
 from ..dict_utils import tensors_bitwise_equal
-from ..runtime.launch import run_distributed
 from ..mapping import ShardedObject, ShardedTensor
+from ..runtime.launch import run_distributed
 from ..serialization import load, load_tensors_metadata, save
 
 __all__ = ["MODEL", "LAYERS", "global_tensor", "sharded_model", "check_loaded", "run_demo"]

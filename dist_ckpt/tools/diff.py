@@ -17,9 +17,11 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 import torch
 
 from ..dict_utils import diff as diff_dicts
-from ..storage.object_store import localize
-from .streaming import read_whole_tensor
 from ..runtime.timing import phase
+from ..serialization import load_common_state_dict, load_tensors_metadata
+from ..storage.object_store import localize
+from ..validation import verify_checkpoint_and_load_strategy
+from .streaming import read_whole_tensor
 
 __all__ = ["TensorDifference", "DiffReport", "diff_checkpoints", "format_report"]
 
@@ -75,8 +77,6 @@ def diff_checkpoints(a: Union[str, os.PathLike], b: Union[str, os.PathLike], *,
                      storage_options: Optional[dict] = None,
                      progress: Optional[Callable[[Iterable], Iterable]] = None) -> DiffReport:
     """Compare checkpoints ``a`` and ``b`` (paths or URLs, any format dist_ckpt reads)."""
-    from ..serialization import load_common_state_dict, load_tensors_metadata
-    from ..validation import verify_checkpoint_and_load_strategy
 
     with phase("download" if any("://" in str(x) for x in (a, b)) else "open"):
         dir_a, dir_b = localize(a, storage_options), localize(b, storage_options)

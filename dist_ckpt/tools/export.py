@@ -32,15 +32,15 @@ from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple, Un
 
 import torch
 
-from ..storage.commit import fsync_directory
 from ..core import CheckpointExistsError, CheckpointingException
+from ..runtime.durable import fsync_directory
+from ..runtime.timing import phase
+from ..serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from ..storage.formats import SAFETENSORS_INDEX_FNAME
 from ..storage.object_store import is_url, localize, new_scratch_dir, require_empty_prefix, upload_files
-from ..serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from ..strategies.base import LoadShardedStrategy
-from .streaming import read_whole_tensor
-from ..runtime.timing import phase
 from ..strategies.dcp.record import tensor_bytes
+from .streaming import read_whole_tensor
 
 logger = logging.getLogger(__name__)
 

@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
-from ..storage.formats import describe_format, detect_checkpoint_config
 from ..integrity.manifest import MANIFEST_FNAME
 from ..mapping import ShardedObject, ShardedTensor
-from ..storage.object_store import localize
 from ..runtime.timing import phase
+from ..serialization import load_common_state_dict, load_sharded_metadata
+from ..storage.formats import describe_format, detect_checkpoint_config
+from ..storage.object_store import localize
+from ..strategies.torch_dist import read_dcp_metadata
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
 
@@ -61,7 +63,6 @@ def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, Te
     if backend in ("torch_dist", "dcp"):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from ..strategies.torch_dist import read_dcp_metadata
 
         metadata = read_dcp_metadata(directory)
         files: Dict[str, set] = defaultdict(set)
@@ -87,7 +88,6 @@ def _chunks_and_writers(directory: Path, backend: Optional[str]) -> Dict[str, Te
 
 def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optional[dict] = None) -> CheckpointSummary:
     """Everything ``inspect`` shows, for a path or URL (no tensor data read)."""
-    from ..serialization import load_common_state_dict, load_sharded_metadata
 
     with phase("download" if isinstance(source, str) and "://" in source else "open"):
         directory = localize(source, storage_options)

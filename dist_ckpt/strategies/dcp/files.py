@@ -28,10 +28,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...storage.commit import atomic_write_bytes, fsync_directory
 from ...core import CheckpointNotFoundError, CorruptCheckpointError
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
+from ...runtime.durable import atomic_write_bytes, fsync_directory
+from .metadata import MCoreMetadata, MCoreSavePlan
 from .read import ItemGroup, copy_region, read_item_groups
 from .record import write_tensor_record
 
@@ -150,8 +151,6 @@ def _dcp_metadata_allowlist() -> Dict[str, Any]:
     import torch.distributed.checkpoint.filesystem as dcp_fs
     import torch.distributed.checkpoint.metadata as dcp_md
     import torch.distributed.checkpoint.planner as dcp_planner
-
-    from ..torch import MCoreMetadata, MCoreSavePlan
 
     allowed = plain_pickle_builtins()
     for module in (dcp_md, dcp_planner):

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
-from ...sharding.geometry import Box, Piece, intersect
 from ...mapping import ShardedObject, ShardedTensor
+from ...sharding.geometry import Box, Piece, intersect
 
 __all__ = [
     "REFORMULATED_SHAPE_KEY",

@@ -17,9 +17,9 @@ from typing import List
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from ...core import CorruptCheckpointError
-from ...storage.formats import NATIVE_DCP_BACKEND
-from ...mapping import ShardedStateDict, StateDict
 from ...integrity.safe_unpickle import safe_torch_load
+from ...mapping import ShardedStateDict, StateDict
+from ...storage.formats import NATIVE_DCP_BACKEND
 from ..base import LoadCommonStrategy
 from ..torch_dist import TorchDistLoadShardedStrategy, read_dcp_metadata
 

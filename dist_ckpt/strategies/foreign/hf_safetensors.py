@@ -20,9 +20,9 @@ import torch
 
 from ...core import CorruptCheckpointError, KeyMismatchError
 from ...dict_utils import dict_list_map_inplace, nested_values
-from ...storage.formats import SAFETENSORS_BACKEND, SAFETENSORS_INDEX_FNAME
-from ...sharding.geometry import Box, intersect
 from ...mapping import ShardedStateDict, ShardedTensor, StateDict
+from ...sharding.geometry import Box, intersect
+from ...storage.formats import SAFETENSORS_BACKEND, SAFETENSORS_INDEX_FNAME
 from ..base import LoadCommonStrategy, LoadShardedStrategy
 
 __all__ = [
