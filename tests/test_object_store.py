@@ -218,21 +218,22 @@ _KILLED_SAVE = textwrap.dedent('''
     import os, sys, torch
     import dist_ckpt
     from dist_ckpt.storage import object_store
+    from dist_ckpt.storage.object_store import upload
 
     url, moment, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
     state = {f"t{i}": dist_ckpt.ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256, 1024), value))
              for i in range(8)}
     state["value"] = value
     if moment == "mid-upload":  # die after the first of the files went up
-        real_put = object_store._put
+        real_put = upload._put
         def put(loc, source, names, under=""):
             real_put(loc, source, names[:1], under)
             os._exit(9)
-        object_store._put = put
+        upload._put = put
     elif moment == "before-commit":  # every object uploaded, the pointer not yet written
         object_store.RemoteSave.commit = lambda self, config: os._exit(9)
     elif moment == "after-commit":  # the pointer written, the old save's objects not yet removed
-        object_store._remove_replaced = lambda loc, keep: os._exit(9)
+        upload._remove_replaced = lambda loc, keep: os._exit(9)
     print("saving", flush=True)
     dist_ckpt.save(state, url)
     print("saved", flush=True)

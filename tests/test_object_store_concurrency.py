@@ -138,7 +138,8 @@ def test_a_stalled_server_fails_loads_and_saves_within_the_deadline(bucket, s3_e
 
 _GATED_WRITER = textwrap.dedent('''
     import os, sys, time, torch, dist_ckpt
-    from dist_ckpt import ShardedTensor, object_store
+    from dist_ckpt import ShardedTensor
+    from dist_ckpt.storage import object_store
     url, value, ready, gate = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
     real_commit = object_store.RemoteSave.commit
     def commit(self, config):  # every object uploaded; the pointer PUT waits for the test
@@ -312,11 +313,11 @@ def test_a_url_that_is_a_run_root_is_refused_before_any_download(bucket, monkeyp
 def test_leftover_partial_downloads_are_pruned(bucket):
     import hashlib
 
-    from dist_ckpt.storage.object_store import _cache_root, open_location
+    from dist_ckpt.storage.object_store import cache_root, open_location
 
     url = f"s3://{bucket}/ckpt"
     dist_ckpt.save(_state(1.0), url)
-    url_dir = _cache_root() / hashlib.sha256(open_location(url).url.encode()).hexdigest()[:16]
+    url_dir = cache_root() / hashlib.sha256(open_location(url).url.encode()).hexdigest()[:16]
     stale = url_dir / ".partial-dist_ckpt-save-x-1234abcd"  # a download killed mid-way
     (stale / "sub").mkdir(parents=True)
     (stale / "sub" / "blob").write_bytes(b"x" * 1000)
