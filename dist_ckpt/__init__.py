@@ -59,6 +59,8 @@ from .storage.object_store import StorageError
 
 __version__ = "0.1.0"
 
+# The top-level API, one list. Each module's own __all__ lists only what that module defines (or,
+# for Megatron-Core's modules, what Megatron-Core's module of that name defines).
 __all__ = [
     "CheckpointManager",
     "PendingSaveError",

@@ -66,25 +66,26 @@ def distribute_shards_to_ranks(
     shard_to_ranks: Dict[T, List[int]], shard_to_size: Dict[T, int], num_ranks: int,
     cross_parallelization_group_loads: Optional[Set[T]] = None,
 ) -> Dict[T, int]:
-    """Assign each shard to one of the ranks that hold it, balancing the bytes per rank.
+    """Assign each shard to one of the ranks that hold it, balancing the bytes per rank
+    (Megatron-Core's algorithm and signature; tests/test_megatron_api_parity.py compares them).
 
-    Greedy and deterministic (every rank computes the same answer from the same input): shards
-    held by fewest ranks first, then the largest, then by id; each goes to its least loaded rank
-    (ties: lowest rank). ``cross_parallelization_group_loads`` are shards whose bytes count
-    for no rank of this group (another group loads them); they are assigned all the same.
+    Greedy and deterministic (every rank computes the same answer from the same input):
+    ``cross_parallelization_group_loads`` (shards whose main replica is in another group, which
+    a load still reads here) last, so that a load's distribution stays close to the save's; then
+    shards held by fewest ranks, then the largest, then by id; each goes to its least loaded rank
+    (ties: lowest rank).
     """
     cross = cross_parallelization_group_loads or set()
     load = [0] * num_ranks
     assignment: Dict[T, int] = {}
-    order = sorted(shard_to_ranks, key=lambda s: (len(shard_to_ranks[s]), -shard_to_size[s], repr(s)))
+    order = sorted(shard_to_ranks, key=lambda s: (s in cross, len(shard_to_ranks[s]), -shard_to_size[s], s))
     for shard in order:
         ranks = shard_to_ranks[shard]
         if not ranks:
             raise CheckpointingException(f"shard {shard!r} is held by no rank")
         rank = min(ranks, key=lambda r: (load[r], r))
         assignment[shard] = rank
-        if shard not in cross:
-            load[rank] += shard_to_size[shard]
+        load[rank] += shard_to_size[shard]
     return assignment
 
 
@@ -127,7 +128,8 @@ def determine_main_replica_uniform_distribution(
                 with_main_here.add(sid)
     if not ignore_groups:
         shard_to_ranks = {sid: ranks for sid, ranks in shard_to_ranks.items() if sid in with_main_here}
-    main = distribute_shards_to_ranks(shard_to_ranks, shard_to_size, world)
+    cross_group_loads = set(shard_to_ranks) - with_main_here  # empty for a save (not ignore_groups)
+    main = distribute_shards_to_ranks(shard_to_ranks, shard_to_size, world, cross_group_loads)
     return ShardDistribution(main, set(shard_to_ranks), metadata, shard_to_ranks)
 
 
@@ -191,13 +193,9 @@ def exchange_loaded_tensors_gather_object(
     return result
 
 
-def exchange_loaded_tensors_gather_rounds(
-    loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
-    shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
-) -> Dict[ShardId, torch.Tensor]:
-    """Megatron-Core's round-based all-gather. Here it sends the same shards as the broadcast
-    variant, which is what it runs (a collective per shard, bounded memory)."""
-    return exchange_loaded_tensors_broadcast(loaded_tensors, unloaded_shards, shard_distribution, parallelization_group)
+# Megatron-Core's round-based all-gather, by the name its callers import: it sends the same
+# shards as the broadcast exchange, which is what runs here (a collective per shard, bounded memory).
+exchange_loaded_tensors_gather_rounds = exchange_loaded_tensors_broadcast
 
 
 def exchange_loaded_objects_gather_object(loaded_objects: Dict[ShardId, object],

@@ -6,8 +6,9 @@ use ``ShardedTensorFactory`` to transform a tensor into several before saving (a
 loading) or ``LocalNonpersistentObject`` to keep something out of the checkpoint. Names,
 fields and semantics follow Megatron-Core, so code ports by changing an import.
 
-Every object validates itself on construction: a wrong mapping is a ``ShardingError`` naming
-the key, raised where the mistake is made rather than as corrupt data later.
+Every object validates itself on construction (the rules: ``sharding.fields``): a wrong mapping
+is a ``ShardingError`` naming the key, raised where the mistake is made rather than as corrupt
+data later.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from .core import CheckpointingException, MismatchError, ShardingError
 from .dict_utils import dict_list_map_inplace
+from .sharding.fields import check_object_fields, check_tensor_fields, int_tuple, is_int, placement_of_rank_offsets
 from .sharding.geometry import Box, Piece
 
 __all__ = [
@@ -47,30 +49,6 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
     if isinstance(replica_id, int):
         return replica_id == 0
     return all(r == 0 for r in replica_id)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
-    try:
-        result = tuple(value)
-    except TypeError:
-        raise ShardingError(f"{what} of '{key}' must be a sequence of ints, got {value!r}") from None
-    if not all(_is_int(v) and v >= 0 for v in result):
-        raise ShardingError(f"{what} of '{key}' must hold non-negative ints, got {result}")
-    return result
-
-
-def _validate_replica_id(replica_id: Any, key: str) -> None:
-    ok = (_is_int(replica_id) and replica_id >= 0) or (
-        isinstance(replica_id, tuple) and all(_is_int(r) and r >= 0 for r in replica_id)
-    )
-    if not ok:
-        raise ShardingError(
-            f"replica_id of '{key}' must be a non-negative int or a tuple of them, got {replica_id!r}"
-        )
 
 
 class ShardedBase:
@@ -127,77 +105,7 @@ class ShardedTensor(ShardedBase):
 
     def validate_metadata_integrity(self) -> None:
         """Check the fields against each other; raises ``ShardingError`` naming the key."""
-        key = self.key
-        if not isinstance(key, str) or not key:
-            raise ShardingError(f"ShardedTensor key must be a non-empty string, got {key!r}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ShardingError(f"dtype of '{key}' must be a torch.dtype, got {self.dtype!r}")
-        self.local_shape = _int_tuple(self.local_shape, "local_shape", key)
-        self.global_shape = _int_tuple(self.global_shape, "global_shape", key)
-        self.global_offset = _int_tuple(self.global_offset, "global_offset", key)
-        if not _is_int(self.prepend_axis_num) or self.prepend_axis_num < 0:
-            raise ShardingError(f"prepend_axis_num of '{key}' must be a non-negative int")
-        _validate_replica_id(self.replica_id, key)
-        ndim = len(self.global_shape)
-        if len(self.global_offset) != ndim:
-            raise ShardingError(
-                f"'{key}': global_offset {self.global_offset} and global_shape {self.global_shape} "
-                f"must have the same number of axes"
-            )
-        if len(self.local_shape) + self.prepend_axis_num != ndim:
-            raise ShardingError(
-                f"'{key}': local_shape {self.local_shape} plus prepend_axis_num="
-                f"{self.prepend_axis_num} must give the global number of axes ({ndim})"
-            )
-        box = self.global_box()
-        if not box.within(self.global_shape):
-            raise ShardingError(
-                f"'{key}': the local box at offset {self.global_offset} with shape {box.shape} "
-                f"does not fit in global shape {self.global_shape}"
-            )
-        if self.axis_fragmentations is not None:
-            self.axis_fragmentations = _int_tuple(self.axis_fragmentations, "axis_fragmentations", key)
-            if len(self.axis_fragmentations) != ndim or 0 in self.axis_fragmentations:
-                raise ShardingError(
-                    f"'{key}': axis_fragmentations {self.axis_fragmentations} must give a positive "
-                    f"count for each of the {ndim} global axes (or be None for uneven splits)"
-                )
-            for off, sh in zip(self.global_offset[self.prepend_axis_num :], self.local_shape):
-                if sh != 0 and off % sh != 0:
-                    raise ShardingError(
-                        f"'{key}': global offset {off} is not a multiple of the local size {sh}, "
-                        f"so this is not a regular grid; pass axis_fragmentations=None"
-                    )
-        local_numel = math.prod(self.local_shape)
-        if self.flattened_range is not None:
-            rng = self.flattened_range
-            if (
-                not isinstance(rng, slice)
-                or not _is_int(rng.start)
-                or not _is_int(rng.stop)
-                or rng.step not in (None, 1)
-                or not 0 <= rng.start <= rng.stop <= local_numel
-            ):
-                raise ShardingError(
-                    f"'{key}': flattened_range must be slice(start, stop) with "
-                    f"0 <= start <= stop <= {local_numel}, got {rng!r}"
-                )
-        if self.data is not None:
-            if not isinstance(self.data, torch.Tensor):
-                raise ShardingError(f"data of '{key}' must be a torch.Tensor, got {type(self.data)}")
-            if self.data.dtype != self.dtype:
-                raise ShardingError(f"'{key}': data dtype {self.data.dtype} differs from dtype {self.dtype}")
-            if self.flattened_range is None:
-                if tuple(self.data.shape) != self.local_shape:
-                    raise ShardingError(
-                        f"'{key}': data shape {tuple(self.data.shape)} differs from local_shape "
-                        f"{self.local_shape}"
-                    )
-            elif self.data.ndim != 1 or self.data.numel() != self.flattened_range.stop - self.flattened_range.start:
-                raise ShardingError(
-                    f"'{key}': flattened data must be 1-D with {self.flattened_range.stop - self.flattened_range.start} "
-                    f"elements (the flattened_range), got shape {tuple(self.data.shape)}"
-                )
+        check_tensor_fields(self)
 
     # -- geometry -------------------------------------------------------------------------
     def global_box(self) -> Box:
@@ -373,29 +281,11 @@ class ShardedTensor(ShardedBase):
             )
         if not isinstance(data, torch.Tensor):
             raise ShardingError(f"data of '{key}' must be a torch.Tensor, got {type(data)}")
-        if not _is_int(prepend_axis_num) or prepend_axis_num < 0:
+        if not is_int(prepend_axis_num) or prepend_axis_num < 0:
             raise ShardingError(f"prepend_axis_num of '{key}' must be a non-negative int")
-        ndim = data.ndim + prepend_axis_num
-        global_offset = [0] * ndim
-        global_shape = [1] * prepend_axis_num + list(data.shape)
-        axis_fragmentations = [1] * ndim
-        seen_axes = set()
-        for triple in rank_offsets:
-            if not (isinstance(triple, tuple) and len(triple) == 3 and all(_is_int(v) for v in triple)):
-                raise ShardingError(f"'{key}': rank offsets must be (axis, rank_offset, fragments), got {triple!r}")
-            axis, axis_rank_offset, axis_fragm = triple
-            if not (0 <= axis < ndim and axis_fragm >= 1 and 0 <= axis_rank_offset < axis_fragm):
-                raise ShardingError(
-                    f"'{key}': invalid rank offsets {triple} for a tensor with {ndim} global axes "
-                    f"(need 0 <= axis < {ndim}, fragments >= 1, 0 <= rank_offset < fragments)"
-                )
-            if axis in seen_axes:
-                raise ShardingError(f"'{key}': axis {axis} appears twice in rank offsets {rank_offsets}")
-            seen_axes.add(axis)
-            local_axis_shape = 1 if axis < prepend_axis_num else data.shape[axis - prepend_axis_num]
-            global_shape[axis] = axis_fragm * local_axis_shape
-            global_offset[axis] = axis_rank_offset * local_axis_shape
-            axis_fragmentations[axis] = axis_fragm
+        global_shape, global_offset, axis_fragmentations = placement_of_rank_offsets(
+            key, tuple(data.shape), rank_offsets, prepend_axis_num
+        )
         return cls(
             key,
             data,
@@ -425,7 +315,7 @@ class ShardedTensor(ShardedBase):
             raise ShardingError(f"'{key}': from_rank_offsets_flat needs flattened_range")
         if not isinstance(data, torch.Tensor) or data.ndim != 1:
             raise ShardingError(f"'{key}': flattened data must be a 1-D torch.Tensor")
-        non_flat_local_shape = _int_tuple(non_flat_local_shape, "non_flat_local_shape", key)
+        non_flat_local_shape = int_tuple(non_flat_local_shape, "non_flat_local_shape", key)
         meta = torch.empty(non_flat_local_shape, dtype=data.dtype, device="meta")
         sharded = cls.from_rank_offsets(key, meta, *args, **kwargs)
         return replace(sharded, data=data, flattened_range=flattened_range)
@@ -448,31 +338,7 @@ class ShardedObject(ShardedBase):
         self.validate_metadata_integrity()
 
     def validate_metadata_integrity(self) -> None:
-        # '/' is allowed (Megatron-Core allows it; the zarr backend then nests directories), but
-        # never a component that would leave the checkpoint directory.
-        if not isinstance(self.key, str) or any(part in ("", ".", "..") for part in self.key.split("/")):
-            raise ShardingError(
-                f"ShardedObject key must be a non-empty string whose '/'-separated parts are not empty, "
-                f"'.' or '..', got {self.key!r}"
-            )
-        try:
-            self.global_shape = tuple(self.global_shape)
-            self.global_offset = tuple(self.global_offset)
-        except TypeError:
-            raise ShardingError(f"'{self.key}': global_shape and global_offset must be sequences of ints") from None
-        if not all(_is_int(v) for v in self.global_shape + self.global_offset):
-            raise ShardingError(f"'{self.key}': global_shape and global_offset must hold ints")
-        if len(self.global_shape) != len(self.global_offset):
-            raise ShardingError(
-                f"'{self.key}': global_offset {self.global_offset} and global_shape {self.global_shape} "
-                f"must have the same number of axes"
-            )
-        for off, sh in zip(self.global_offset, self.global_shape):
-            if off < 0 or (sh >= 0 and off >= sh):  # sh == -1: unknown, from a legacy key
-                raise ShardingError(
-                    f"'{self.key}': offset {self.global_offset} outside global shape {self.global_shape}"
-                )
-        _validate_replica_id(self.replica_id, self.key)
+        check_object_fields(self)
 
     def without_data(self) -> "ShardedObject":
         return replace(self, data=None)
@@ -573,7 +439,7 @@ def apply_factory_merges(x1: Any, x2: Any, key: Tuple = ()) -> Any:
             x1[i] = apply_factory_merges(x1[i], v2, key=key + (i,))
     elif isinstance(x1, list) and isinstance(x2, dict):
         for k, v2 in x2.items():
-            if not _is_int(k) or not 0 <= k < len(x1):
+            if not is_int(k) or not 0 <= k < len(x1):
                 raise ShardingError(f"Factory merge: {k!r} is not an index of the list at key {key}")
             x1[k] = apply_factory_merges(x1[k], v2, key=key + (k,))
     else:

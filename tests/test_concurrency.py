@@ -173,9 +173,9 @@ def _ranks_see_different_roots(rank: int, world: int, root: str) -> list:
         mgr.save(1, _manager_state(rank, world, 1.0))
         mgr.save(2, _manager_state(rank, world, 2.0))
     out = []
-    import dist_ckpt.serialization as serialization_module
+    import dist_ckpt.pipeline.load as load_steps
 
-    real_read_tracker, real_verify = manager_module.read_tracker, serialization_module.verify_checkpoint_and_load_strategy
+    real_read_tracker, real_verify = manager_module.read_tracker, load_steps.verify_checkpoint_and_load_strategy
     if rank == 1:  # a stale NFS attribute cache: this node still sees the old tracker
         manager_module.read_tracker = lambda r: 1
     mgr = CheckpointManager(root)
@@ -188,10 +188,10 @@ def _ranks_see_different_roots(rank: int, world: int, root: str) -> list:
             if str(directory).endswith("iter_0000002"):
                 raise CorruptCheckpointError(f"{directory}: checksum mismatch (injected on rank 1)")
             return real_verify(directory, *args, **kw)
-        serialization_module.verify_checkpoint_and_load_strategy = verify
+        load_steps.verify_checkpoint_and_load_strategy = verify
     out.append(_value(mgr.load(_manager_state(rank, world, 0.0))))
     out.append(mgr.loaded_step)
-    serialization_module.verify_checkpoint_and_load_strategy = real_verify
+    load_steps.verify_checkpoint_and_load_strategy = real_verify
     mgr.close()
     return out
 

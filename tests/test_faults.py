@@ -52,7 +52,7 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
     """Save version 2 over the committed version 1, with ``fault`` injected on ``fault_rank``."""
     import dist_ckpt.storage.commit as commit_mod
     import dist_ckpt.integrity.manifest as integrity_mod
-    import dist_ckpt.serialization as serialization_mod
+    import dist_ckpt.pipeline.save as save_steps
     import dist_ckpt.strategies.dcp.files as dcp_io
 
     if rank == fault_rank:
@@ -97,7 +97,7 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
             def commit_staged(*a, **k):
                 raise RuntimeError("injected failure between the data writes and the commit")
 
-            serialization_mod.commit_staged = commit_staged
+            save_steps.commit_staged = commit_staged
         elif fault == "enospc":
             def write_one_file(*a, **k):
                 raise OSError(errno.ENOSPC, "No space left on device")

@@ -226,6 +226,25 @@ def test_distribute_shards_to_ranks_matches_megatron():
         assert all(ours[s] in shards[s] for s in shards)
 
 
+
+def test_distribute_shards_to_ranks_with_cross_group_loads_matches_megatron():
+    """Shards a load reads here whose main replica is in another group go last, their bytes
+    counted (Megatron-Core's rule; the parameter was accepted and ignored before)."""
+    from megatron.core.dist_checkpointing.exchange_utils import distribute_shards_to_ranks as theirs
+
+    rng = random.Random(1)
+    differs_from_ignoring = 0
+    for _ in range(100):
+        world = rng.randint(2, 6)
+        shards = {(f"k{i}", (i, 0), None): sorted(rng.sample(range(world), rng.randint(1, world)))
+                  for i in range(rng.randint(2, 30))}
+        sizes = {s: rng.choice([1, 2, 4, 8, 1000]) for s in shards}
+        cross = {s for s in shards if rng.random() < 0.4}
+        ours = dist_ckpt.exchange_utils.distribute_shards_to_ranks(shards, sizes, world, cross)
+        assert ours == theirs(shards, sizes, world, cross)
+        differs_from_ignoring += ours != theirs(shards, sizes, world, set())
+    assert differs_from_ignoring > 10  # the cases exercise the parameter
+
 def test_state_dict_utils_split_like_save_and_load():
     sd = _model(dist_ckpt.mapping)
     sd["flat_empty"] = ShardedTensor.from_rank_offsets_flat("fe", torch.zeros(0), (2, 2), flattened_range=slice(1, 1))

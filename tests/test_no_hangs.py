@@ -49,7 +49,7 @@ def _state(rank, world, extra=None):
 
 
 def _inject(case, rank):
-    import dist_ckpt.serialization as serialization
+    import dist_ckpt.pipeline.save as save_steps
     import dist_ckpt.strategies.torch_dist as torch_dist
 
     if case == "staging_out_of_memory" and rank == 1:
@@ -63,7 +63,7 @@ def _inject(case, rank):
         def config(*args, **kwargs):
             raise ValueError("cannot build the config")
 
-        serialization.CheckpointingConfig = config
+        save_steps.CheckpointingConfig = config
     elif case == "write_raises_base_exception" and rank == 1:
         def write_dcp_files(*args, **kwargs):
             from torch.distributed.checkpoint.api import CheckpointException

@@ -115,3 +115,19 @@ def test_resharded_multirank_load_of_the_megatron_zarr_checkpoint(tmp_path, read
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ZARR_FIXTURE, ckpt)
     assert run_distributed(_load_fixture, 2, str(ckpt), reader) == [True, True]
+
+
+def test_the_zarr_python_reader_is_chosen_by_name():
+    """``("zarr-python", 1)`` picks the zarr-python reader from the registry (it was reachable only
+    by importing its class); it reads Megatron-Core's zarr checkpoint bit-exactly, as tensorstore does."""
+    from dist_ckpt.strategies.zarr import ZarrLoadShardedStrategy
+
+    strategy = dist_ckpt.get_default_strategy(dist_ckpt.StrategyAction.LOAD_SHARDED, "zarr-python", 1)
+    assert isinstance(strategy, ZarrLoadShardedStrategy)
+    rows = {(r.action.value, r.backend): r for r in dist_ckpt.list_strategies()}
+    assert rows[("load_sharded", "zarr-python")].importable  # listed by `dist-ckpt strategies`
+    request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=dtype))
+               for key, (shape, dtype, _, _) in SPEC.items()}
+    by_name = dist_ckpt.load(request, ZARR_FIXTURE, sharded_strategy=("zarr-python", 1))
+    for key, (shape, dtype, _, _) in SPEC.items():
+        assert tensors_bitwise_equal(by_name[key], global_tensor(key, shape, dtype)), key

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ __all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size", "collecti
 
 T = TypeVar("T")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 def get_rank(group: Optional[dist.ProcessGroup] = None) -> int:
@@ -278,14 +279,27 @@ class DistWrapper:
     def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the
         error of any step on any rank) is broadcast to all."""
+        return self.reduce_and_share(local_fn, global_fn, share=lambda result: result)[1]
+
+    def reduce_and_share(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R],
+                         share: Callable[[R], S]) -> "tuple[Optional[R], S]":
+        """``all_reduce`` for a result that must stay where it was made (it holds a lock or a
+        file descriptor): the coordinator keeps ``global_fn``'s result and every rank receives
+        ``share(result)``. Returns (the result on the coordinator, None elsewhere; the shared part)."""
         value, failure, exc = self._run(local_fn)
         blob, failure, exc = self._pack(value, failure, exc)
         gathered = self.gather_object((blob, failure))
         outcome: Any = None
+        kept: Optional[R] = None
         if self.is_coordinator:
-            result, failures = self._on_coordinator(gathered, global_fn)
-            result_blob, r_failure, _ = self._pack(result, None, None) if not failures else (None, None, None)
-            outcome = (result_blob, failures + ([r_failure] if r_failure is not None else []))
-        result_blob, failures = self.broadcast_object(outcome)
+            kept, failures = self._on_coordinator(gathered, global_fn)
+            shared_blob = None
+            if not failures:
+                shared, s_failure, _ = self._run(lambda: share(cast(R, kept)))
+                if s_failure is None:
+                    shared_blob, s_failure, _ = self._pack(shared, None, None)
+                failures += [s_failure] if s_failure is not None else []
+            outcome = (shared_blob, failures)
+        shared_blob, failures = self.broadcast_object(outcome)
         _raise_first(failures, exc)
-        return self._unpack(result_blob)
+        return kept, self._unpack(shared_blob)

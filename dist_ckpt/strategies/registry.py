@@ -66,6 +66,10 @@ _BUILTINS: Dict[RegistryKey, _Builtin] = {
     (StrategyAction.LOAD_SHARDED, "zarr", 1): _Builtin(
         "dist_ckpt.strategies.tensorstore", "TensorStoreLoadShardedStrategy", "tensorstore", ("tensorstore", "ml_dtypes")
     ),
+    # The other reader of 'zarr' v1 checkpoints, chosen by name: load(..., sharded_strategy=("zarr-python", 1)).
+    (StrategyAction.LOAD_SHARDED, "zarr-python", 1): _Builtin(
+        "dist_ckpt.strategies.zarr", "ZarrLoadShardedStrategy", "zarr", ("zarr", "ml_dtypes")
+    ),
     # Checkpoints of other tools, recognised without metadata.json (dist_ckpt.storage.formats).
     (StrategyAction.LOAD_SHARDED, "dcp", 1): _Builtin("dist_ckpt.strategies.foreign.dcp_native", "NativeDcpLoadShardedStrategy"),
     (StrategyAction.LOAD_COMMON, "dcp", 1): _Builtin("dist_ckpt.strategies.foreign.dcp_native", "NativeDcpLoadCommonStrategy"),

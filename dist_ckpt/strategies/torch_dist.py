@@ -18,7 +18,7 @@ import copy
 import io
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
 
@@ -93,6 +93,18 @@ class _ItemSource:
             return io.BytesIO(self._objects[write_item.index.fqn])
         tensor_data = cast(TensorWriteData, write_item.tensor_data)  # a SHARD item always has it
         return self._tensors[write_item.index].reshape(tensor_data.chunk.sizes)
+
+
+@dataclass
+class _StagedTensors:
+    """One save's tensors after staging (``TorchDistSaveShardedStrategy._stage``)."""
+
+    sources: Dict[MetadataIndex, torch.Tensor] = field(default_factory=dict)  # what the write reads, per item
+    leases: List[StagingLease] = field(default_factory=list)  # this save's staging copies, its own until its write ends
+    direct: List[WriteItem] = field(default_factory=list)  # written at once, from the live tensors (over the budget)
+    direct_results: List[Any] = field(default_factory=list)
+    direct_entries: List[ManifestEntry] = field(default_factory=list)
+    background_items: List[WriteItem] = field(default_factory=list)  # what the request's write does
 
 
 @dataclass
@@ -176,91 +188,108 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._save_request(sharded_state_dict, Path(checkpoint_dir), stage=False).execute_sync()
 
     def _save_request(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool) -> AsyncRequest:
+        """Plan (or reuse the cached plan), stage the tensors (or write now what exceeds the
+        staging budget), and return the request whose background part writes the rest and whose
+        finalization, collective, writes ``.metadata``."""
         dist = DistWrapper()
         leaves = list(nested_values(sharded_state_dict))
         tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
         objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
         recorder = recorder_for(checkpoint_dir)
-        global_metadata: List[Metadata] = []
-        object_blobs: Dict[str, bytes] = {}
-        fingerprint = structure_fingerprint(leaves) if self.cached_metadata else None
-        cached = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
-        if cached is not None:
-            _, plan, cached_metadata = cached
-            object_blobs.update(dist.all_run(lambda: _serialize_objects(objects)))
-            global_metadata.append(copy.copy(cached_metadata) if dist.is_coordinator else None)  # type: ignore[arg-type]
-        else:
-            def global_step(all_local: List[Any]) -> List[SavePlan]:
-                plans, metadata = make_global_save_plan(all_local)
-                global_metadata.append(metadata)
-                return plans
-
-            def local_step() -> Any:
-                object_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
-                return make_local_save_plan(tensors, objects)
-
-            plan = dist.reduce_scatter(local_step, global_step)
-            self.plans_made += 1
-            if fingerprint is not None:
-                metadata = global_metadata[0] if global_metadata else None
-                self._cached_plan = (fingerprint, plan, copy.copy(metadata))
-        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
-        sources: Dict[MetadataIndex, torch.Tensor] = {}
-        direct: List[WriteItem] = []  # written now, from the live tensors (beyond the staging budget)
-        leases: List[StagingLease] = []  # this save's staging copies, its own until its write ends
-
-        def stage_tensors() -> None:
-            live = [sh.require_data().detach() for sh in tensors]
-            staged: List[Optional[torch.Tensor]] = list(live)
-            if stage:
-                leases.append(self._staging_buffers().stage(live))
-                staged = leases[0].buffers
-            for item, copy_, data in zip(tensor_items, staged, live):
-                sources[item.index] = copy_ if copy_ is not None else data
-                if copy_ is None:
-                    direct.append(item)
-
-        direct_written: List[Any] = [[], []]
-
-        def write_direct() -> None:
-            if not direct:
-                return
-            job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", direct, {i.index: sources.pop(i.index) for i in direct},
-                              {}, self.thread_count, self.zip_crc32, first_file=self.thread_count)
-            direct_written[:] = job()
-
-        try:
-            dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
-            if not dist.all_reduce_min(0 if direct else 1):  # some rank writes beyond its budget now
-                dist.all_run(write_direct)
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            raise
-        written = {item.index for item in direct}
-        background = [item for item in plan.items if item.index not in written]
-        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", background, sources, object_blobs, self.thread_count,
-                          self.zip_crc32)
+        plan, metadata, object_blobs = self._plan(dist, leaves, tensors, objects)
+        staged = self._stage(dist, checkpoint_dir, plan, tensors, stage)
+        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.background_items, staged.sources, object_blobs,
+                          self.thread_count, self.zip_crc32)
         request = AsyncRequest(job, (), [])
-        for lease in leases:
+        for lease in staged.leases:
             request.add_cleanup_fn(lease.release)
 
         def finish_metadata() -> None:
-            for lease in leases:
+            for lease in staged.leases:
                 lease.release()  # the write has ended: a later save may stage into these buffers
             write_results, entries = request.async_result
-            write_results, entries = write_results + direct_written[0], entries + direct_written[1]
+            write_results, entries = write_results + staged.direct_results, entries + staged.direct_entries
             for e in entries:
                 recorder.add(e.file, e.offset, e.length, e.hash, e.key)
 
             def commit(all_results: List[List[Any]]) -> None:
-                write_dcp_metadata(checkpoint_dir, global_metadata[-1], [r for rs in all_results for r in rs], recorder)
+                write_dcp_metadata(checkpoint_dir, cast(Metadata, metadata), [r for rs in all_results for r in rs],
+                                   recorder)
 
             dist.all_reduce(lambda: write_results, commit)
 
         request.add_finalize_fn(finish_metadata)
         request.preferred_caller = "process" if self.async_writer == "process" else "thread"
         return request
+
+    def _plan(self, dist: DistWrapper, leaves: List[Any], tensors: List[ShardedTensor], objects: List[ShardedObject]
+              ) -> Tuple[SavePlan, Optional[Metadata], Dict[str, bytes]]:
+        """This rank's save plan, the global ``Metadata`` (on the coordinator; None elsewhere) and
+        the objects' serialized bytes: from the cached plan when every rank's structure is the
+        cached one, else by a global planning step (collective)."""
+        fingerprint = structure_fingerprint(leaves) if self.cached_metadata else None
+        cached = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
+        if cached is not None:
+            _, plan, cached_metadata = cached
+            object_blobs = dist.all_run(lambda: _serialize_objects(objects))
+            return plan, copy.copy(cached_metadata) if dist.is_coordinator else None, object_blobs
+        global_metadata: List[Metadata] = []  # set by global_step, on the coordinator
+        local_blobs: Dict[str, bytes] = {}
+
+        def global_step(all_local: List[Any]) -> List[SavePlan]:
+            plans, metadata = make_global_save_plan(all_local)
+            global_metadata.append(metadata)
+            return plans
+
+        def local_step() -> Any:
+            local_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
+            return make_local_save_plan(tensors, objects)
+
+        plan = dist.reduce_scatter(local_step, global_step)
+        self.plans_made += 1
+        metadata = global_metadata[0] if global_metadata else None
+        if fingerprint is not None:
+            self._cached_plan = (fingerprint, plan, copy.copy(metadata))
+        return plan, metadata, local_blobs
+
+    def _stage(self, dist: DistWrapper, checkpoint_dir: Path, plan: SavePlan, tensors: List[ShardedTensor],
+               stage: bool) -> "_StagedTensors":
+        """Every tensor's source for the background write: a staging copy (``stage``: an
+        asynchronous save, whose caller may change its tensors at once), or the live tensor. What
+        does not fit the staging budget on some rank is written now, by every rank (collective)."""
+        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
+        staged = _StagedTensors()
+
+        def stage_tensors() -> None:
+            live = [sh.require_data().detach() for sh in tensors]
+            copies: List[Optional[torch.Tensor]] = list(live)
+            if stage:
+                staged.leases.append(self._staging_buffers().stage(live))
+                copies = staged.leases[0].buffers
+            for item, copy_, data in zip(tensor_items, copies, live):
+                staged.sources[item.index] = copy_ if copy_ is not None else data
+                if copy_ is None:
+                    staged.direct.append(item)
+
+        def write_direct() -> None:
+            if not staged.direct:
+                return
+            sources = {i.index: staged.sources.pop(i.index) for i in staged.direct}
+            job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.direct, sources, {}, self.thread_count,
+                              self.zip_crc32, first_file=self.thread_count)
+            staged.direct_results, staged.direct_entries = job()
+
+        try:
+            dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
+            if not dist.all_reduce_min(0 if staged.direct else 1):  # some rank writes beyond its budget now
+                dist.all_run(write_direct)
+        except BaseException:
+            for lease in staged.leases:
+                lease.release()
+            raise
+        written = {item.index for item in staged.direct}
+        staged.background_items = [item for item in plan.items if item.index not in written]
+        return staged
 
     def _staging_buffers(self) -> StagingBuffers:
         if self._staging is None:

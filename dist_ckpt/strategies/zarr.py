@@ -1,9 +1,11 @@
-"""The 'zarr' v1 backend with zarr-python 3: save, and a reader one picks explicitly.
+"""The 'zarr' v1 backend with zarr-python 3: save, and a reader one picks by name.
 
 zarr-python 3 has no bfloat16; ``BFloat16`` below registers one (numpy dtype from
 ml_dtypes, zarr v2 name ``"bfloat16"``) so that arrays are created, written and read by
 zarr-python for every dtype. The default reader of zarr checkpoints is tensorstore
-(``tensorstore.py``); ``ZarrLoadShardedStrategy`` here reads with zarr-python.
+(``tensorstore.py``); ``ZarrLoadShardedStrategy`` here reads with zarr-python, registered as
+``("zarr-python", 1)``: ``load(..., sharded_strategy=("zarr-python", 1))`` (a machine without
+tensorstore, or a second opinion on a file tensorstore reads).
 
 Save call order (every rank, collective):
   1. each rank describes its main-replica shards; the coordinator checks them, picks the
@@ -208,8 +210,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
 
 class ZarrLoadShardedStrategy(ZarrArrayLoadStrategy):
-    """Reads 'zarr' v1 checkpoints with zarr-python (pass it explicitly; tensorstore is the
-    default reader)."""
+    """Reads 'zarr' v1 checkpoints with zarr-python (registered as ``("zarr-python", 1)``;
+    tensorstore is the default reader)."""
 
     def _open_array(self, path: Path, meta: ZarrArrayMeta) -> Any:
         return zarr.open_array(str(path), mode="r", zarr_format=2)

@@ -18,8 +18,8 @@ from ..core import CheckpointingConfig
 from ..integrity.manifest import forget_recorder, open_recorder
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from ..runtime.timing import phase
-from ..serialization import commit_staged, load_sharded_metadata, verify_checkpoint_and_load_strategy
-from ..storage.commit import begin_save
+from ..serialization import load_sharded_metadata, verify_checkpoint_and_load_strategy
+from ..storage.commit import begin_save, commit_staged
 from ..storage.object_store import begin_remote_save, is_url, localize, new_scratch_dir, publish_checkpoint
 from ..strategies.base import StrategyAction, resolve_strategy
 

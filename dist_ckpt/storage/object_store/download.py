@@ -19,11 +19,26 @@ import uuid
 from pathlib import Path
 from typing import Any, Dict, Iterator, Mapping, Optional
 
-from ...core import COMMON_STATE_FNAME, CONFIG_FNAME, DCP_METADATA_FNAME, CheckpointingException, CheckpointNotFoundError
+from ...core import (
+    COMMON_STATE_FNAME,
+    CONFIG_FNAME,
+    DCP_METADATA_FNAME,
+    CheckpointingException,
+    CheckpointNotFoundError,
+)
 from ..formats import foreign_format_of
 from ..locations import TRACKER_FNAME
-from .store import POINTER_FIELD, SAVE_DIR_PREFIX, PathOrUrl, StoreLocation, is_url, listing, local_path, open_location, \
-    read_pointer
+from .store import (
+    POINTER_FIELD,
+    SAVE_DIR_PREFIX,
+    PathOrUrl,
+    StoreLocation,
+    is_url,
+    listing,
+    local_path,
+    open_location,
+    read_pointer,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -23,15 +23,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
-from ...core import CONFIG_FNAME, CheckpointExistsError, CheckpointingConfig, CheckpointingException, \
-    CheckpointNotFoundError, config_bytes, maybe_load_config
+from ...core import (
+    CONFIG_FNAME,
+    CheckpointExistsError,
+    CheckpointingConfig,
+    CheckpointingException,
+    CheckpointNotFoundError,
+    config_bytes,
+    maybe_load_config,
+)
 from ...runtime.interrupts import interrupts_deferred
 from ..entries import checkpoint_entries_of
 from ..formats import describe_foreign, foreign_format_of
 from ..leftovers import OVERWRITE_HINT
 from ..lock import ConcurrentSaveError
-from .store import CONDITIONAL_PROTOCOLS, POINTER_FIELD, PREVIOUS_FIELD, SAVE_DIR_PREFIX, WRITER_LOCK, \
-    PreconditionFailed, StoreLocation, listing, open_location, pointer_etag, read_pointer
+from .store import (
+    CONDITIONAL_PROTOCOLS,
+    POINTER_FIELD,
+    PREVIOUS_FIELD,
+    SAVE_DIR_PREFIX,
+    WRITER_LOCK,
+    PreconditionFailed,
+    StoreLocation,
+    listing,
+    open_location,
+    pointer_etag,
+    read_pointer,
+)
 
 logger = logging.getLogger(__name__)
 
