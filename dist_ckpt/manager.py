@@ -19,7 +19,7 @@ Order of a save (``save`` starts it; with ``async_save`` the rest happens in a l
 3. retention: committed checkpoints that are neither among the ``keep_last`` last committed,
    nor a multiple of ``keep_every``, nor named by the tracker, nor pending, nor the one this run
    resumed from while nothing newer of this run has committed, lose the files dist_ckpt wrote
-   (``commit.checkpoint_entries``); a directory is removed only if nothing else is left in it.
+   (``storage.entries.checkpoint_entries``); a directory is removed only if nothing else is left in it.
 
 A save that fails (on any rank: every rank gets the same error) leaves the tracker where it was;
 with ``on_error="warn"`` it is logged once on every rank, the request is dropped, and training

@@ -26,7 +26,7 @@ from dist_helpers import run_distributed
 LEFT_OUT = {
     "strategies.checkpointable.CheckpointableShardedTensor": "DCP 'checkpointable' tensor protocol for Megatron-FSDP; not a format feature",
     "strategies.checkpointable.LocalShardsContainer": "same",
-    "strategies.filesystem_async.FileSystemWriterAsync": "Megatron's DCP writer; dist_ckpt writes the same bytes with dcp_io.write_dcp_files",
+    "strategies.filesystem_async.FileSystemWriterAsync": "Megatron's DCP writer; dist_ckpt writes the same bytes with strategies.dcp.files.write_dcp_files",
     "strategies.state_dict_saver.save_state_dict_async_plan": "internals of that writer",
     "strategies.state_dict_saver.verify_global_md_reuse": "internals of that writer",
     "strategies.state_dict_saver.save_state_dict_async_finalize": "internals of that writer",

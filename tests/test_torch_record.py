@@ -1,4 +1,4 @@
-"""The torch.save-compatible record writer and locator (strategies/torch_record.py).
+"""The torch.save-compatible record writer and locator (strategies/dcp/record.py).
 
 Written blobs must be what torch.save writes (same data.pkl bytes, valid zip CRCs, torch.load
 reads them back bit-exact), and the locator must find the tensor bytes in blobs written by

@@ -243,7 +243,7 @@ def _unsafe_globals(source: Union[str, pathlib.Path, IO[bytes]]) -> List[str]:
 def plain_pickle_builtins() -> Dict[str, Any]:
     """Globals any plain pickle of metadata may use: torch sizes, dtypes and layouts, ordered
     dicts, paths, and bounded builtins (no ``bytearray`` or ``range``: they would build objects
-    of any size a file asks for). Format modules add their own classes (``dcp_io``)."""
+    of any size a file asks for). Format modules add their own classes (``strategies.dcp.files``)."""
     allowed: Dict[str, Any] = {"torch.Size": torch.Size, "torch.serialization._get_layout": torch.serialization._get_layout}
     for name in dir(torch):
         obj = getattr(torch, name, None)

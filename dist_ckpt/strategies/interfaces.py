@@ -195,7 +195,7 @@ class SaveShardedStrategy(SaveStrategyBase):
         Returns:
             None, once this rank's files are durable (fsynced). Nothing is committed yet: the
             coordinator writes ``metadata.json`` after every rank returned. Record checksums with
-            ``integrity.recorder_for(checkpoint_dir)`` to have them in the manifest.
+            ``integrity.manifest.recorder_for(checkpoint_dir)`` to have them in the manifest.
         """
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:

@@ -1,7 +1,7 @@
 """The 'torch_dist' strategies under Megatron-Core's module name (``strategies.torch``).
 
-The strategies live in ``torch_dist`` (with their pure planning in ``torch_dist_plan`` and
-the DCP file I/O in ``dcp_io``); this module gives Megatron-Core's names for them and for the
+The strategies live in ``torch_dist`` (with their pure planning in ``dcp.plan`` and
+the DCP file I/O in ``dcp.files``); this module gives Megatron-Core's names for them and for the
 pieces of its PyTorch-DCP integration that user code imports: the DCP planners (usable with
 ``torch.distributed.checkpoint.save/load`` directly), ``flatten_state_dict`` and the
 registration function.

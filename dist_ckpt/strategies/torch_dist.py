@@ -2,10 +2,10 @@
 
 Save call order (every rank):
   1. ``async_save`` describes its main replicas; the coordinator turns all descriptions into
-     per-rank DCP write items and the global ``Metadata`` (``torch_dist_plan``) - one
+     per-rank DCP write items and the global ``Metadata`` (``dcp.plan``) - one
      gather/scatter, failures shared;
   2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files
-     (``dcp_io``: hashed while written, fsync per file), in the background if scheduled;
+     (``dcp.files``: hashed while written, fsync per file), in the background if scheduled;
   3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
 Load reads ``.metadata`` through the safe unpickler, plans which chunk regions land in which
 destination views (``plan_tensor_reads``, which also checks sizes before anything is
@@ -153,7 +153,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                  async_writer: str = "thread", zip_crc32: bool = False,
                  async_staging_budget: Optional[int] = None) -> None:
         """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
-        structure fingerprint (``fingerprint.structure_fingerprint``) is the same on every rank
+        structure fingerprint (``sharding.fingerprint.structure_fingerprint``) is the same on every rank
         as in this strategy's previous save reuses that save's plan instead of gathering all
         ranks' shard descriptions (one small all-reduce instead); any change plans anew.
         ``separation_hint`` changes nothing (files are split by ``thread_count``);

@@ -215,6 +215,17 @@ def export_safetensors(
     renamer = get_key_renamer(rename) if isinstance(rename, str) else (rename or (lambda key: key))
     pattern = re.compile(include) if include else None
     loader, _ = verify_checkpoint_and_load_strategy(src)
+    planned = _plan_tensors(src, loader, pattern, cast, renamer)
+    shards = _plan_shards(planned, limit)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = _write_export(dst, shards, files, loader, src, progress)
+    logger.info("exported %d tensors (%d bytes) of %s to %s in %d files", len(planned), total, src, dst, len(files))
+    return ExportResult(files, len(planned), total)
+
+
+def _plan_tensors(src: Path, loader: LoadShardedStrategy, pattern: Optional[re.Pattern], cast: Optional[torch.dtype],
+                  renamer: KeyRenamer) -> List[_Planned]:
+    """The tensors to export, under their new names and dtypes, in the checkpoint's order."""
     planned: List[_Planned] = []
     names: Dict[str, str] = {}
     for key, sh in load_tensors_metadata(src, loader).items():
@@ -229,15 +240,20 @@ def export_safetensors(
         out_dtype = cast if cast is not None and sh.dtype.is_floating_point else sh.dtype
         planned.append(_Planned(key, sh.dtype, name, out_dtype, tuple(sh.global_shape)))
     if not planned:
-        raise CheckpointingException(f"no tensor of {src} to export" + (f" matches {include!r}" if include else ""))
-    shards = _plan_shards(planned, limit)
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        raise CheckpointingException(f"no tensor of {src} to export" + (f" matches {pattern.pattern!r}" if pattern else ""))
+    return planned
+
+
+def _write_export(dst: Path, shards: List[List[_Planned]], files: List[str], loader: LoadShardedStrategy, src: Path,
+                  progress: Optional[Callable[[Iterable], Iterable]]) -> int:
+    """The shard files and the index, written beside ``dst`` and renamed into place when
+    complete and durable. Returns the bytes of tensor data written."""
     staging = dst.parent / f".{dst.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
         with phase("export: tensors"):
             _write_shards(staging, shards, files, loader, src, progress)
-        total = sum(t.nbytes for t in planned)
+        total = sum(t.nbytes for shard in shards for t in shard)
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: files[i] for i, shard in enumerate(shards) for t in shard}}
         with open(staging / SAFETENSORS_INDEX_FNAME, "w") as f:
@@ -252,8 +268,7 @@ def export_safetensors(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("exported %d tensors (%d bytes) of %s to %s in %d files", len(planned), total, src, dst, len(files))
-    return ExportResult(files, len(planned), total)
+    return total
 
 
 def _write_shards(staging: Path, shards: List[List[_Planned]], files: List[str], loader: LoadShardedStrategy,

@@ -5,7 +5,7 @@ Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written (i
 extensions would add transform descriptors that Megatron-Core cannot read), and its writer
 keeps every tensor of a file alive until the file closes. The bytes written are the same: each
 item is a standalone ``torch.save`` blob (bytes items verbatim) at the offset and length the
-pickled ``Metadata`` records (written by ``torch_record`` without torch.save's copies), one
+pickled ``Metadata`` records (written by ``record`` without torch.save's copies), one
 fsync per file. Reading keeps DCP's ``FileSystemReader`` for
 its stream transforms but replaces unpickling and item reads with checked versions.
 """
@@ -301,7 +301,7 @@ class DcpReader(FileSystemReader):
                 )
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
-        """Every item of ``plan`` into the planner's destinations (``dcp_read``: direct reads,
+        """Every item of ``plan`` into the planner's destinations (``read``: direct reads,
         ``thread_count`` threads, checksums while reading); non-tensor items through ``_apply``."""
         groups: Dict[Tuple[str, int], ItemGroup] = {}
         for item in plan.items:

@@ -2,7 +2,7 @@
 
 The straightforward read of an item costs three copies: the blob into a new ``bytes``,
 ``torch.load`` into a new storage, then ``copy_`` into the destination. Here a stored tensor
-is located inside its blob (``torch_record.locate_tensor_data``) and its bytes go
+is located inside its blob (``record.locate_tensor_data``) and its bytes go
 
 * straight into the destination's memory when one read item takes the whole stored chunk
   into a contiguous destination of the same dtype (the same-layout load), or
