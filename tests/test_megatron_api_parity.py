@@ -13,6 +13,8 @@ import io
 import logging
 import pkgutil
 import random
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -319,3 +321,16 @@ def test_fully_parallel_save_spreads_replicas_and_load_exchanges_them(tmp_path):
     assert min(by_rank.values()) > 0.3 * sum(by_rank.values()), by_rank
     plain = dist_ckpt.load_plain_tensors(ckpt)
     assert torch.equal(plain["p5"], torch.arange(6000, dtype=torch.float32) + 2)
+
+
+def test_strategy_modules_are_attributes_after_import_as_in_megatron():
+    """Code written against Megatron-Core reaches ``dist_checkpointing.strategies.torch`` as an
+    attribute after importing the package; in a fresh interpreter, without importing a backend."""
+    script = ("import sys, dist_ckpt; s = dist_ckpt.strategies;"
+              "assert 'dist_ckpt.strategies.torch_dist' not in sys.modules;"
+              "print(s.torch.TorchDistSaveShardedStrategy.__name__, s.fully_parallel.__name__, s.common.__name__);"
+              "getattr(s, 'no_such_module')")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["TorchDistSaveShardedStrategy", "dist_ckpt.strategies.fully_parallel",
+                                  "dist_ckpt.strategies.common"], out.stderr
+    assert "AttributeError: module 'dist_ckpt.strategies' has no attribute 'no_such_module'" in out.stderr

@@ -105,17 +105,24 @@ class SaveRequest:
         checkpoint_dir: PathLike,
         sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None],
         common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None],
-        **options: object,
+        *,
+        storage_options: Optional[dict] = None,
+        overwrite: Optional[bool] = None,
+        validate_access_integrity: bool = True,
+        async_save: bool = False,
+        preprocess_common: Optional[Callable[[StateDict], StateDict]] = None,
+        content_metadata: Optional[dict] = None,
     ) -> "SaveRequest":
         """Strategies from the registry (defaults: ``DEFAULT_SAVE_BACKEND``,
         ``DEFAULT_COMMON_BACKEND``); ``checkpoint_dir`` as an absolute path or a URL."""
         sharded = resolve_strategy(StrategyAction.SAVE_SHARDED, sharded_strategy, DEFAULT_SAVE_BACKEND)
         common = resolve_strategy(StrategyAction.SAVE_COMMON, common_strategy, DEFAULT_COMMON_BACKEND)
-        if options.get("async_save") and not isinstance(sharded, AsyncSaveShardedStrategy):
+        if async_save and not isinstance(sharded, AsyncSaveShardedStrategy):
             raise CheckpointingException(f"async_sharded_save=True needs an AsyncSaveShardedStrategy, got {sharded}")
         url = str(checkpoint_dir) if is_url(checkpoint_dir) else None
         target = None if url else Path(os.path.abspath(localize(checkpoint_dir)))
-        return cls(state_dict, sharded, common, target, url, **options)  # type: ignore[arg-type]
+        return cls(state_dict, sharded, common, target, url, storage_options, overwrite, validate_access_integrity,
+                   async_save, preprocess_common, content_metadata)
 
     @property
     def where(self) -> str:
@@ -145,13 +152,13 @@ def split(request: SaveRequest, dist: DistWrapper) -> SplitState:
 
     def split_and_configure() -> SplitState:  # factories run user code: a failure reaches every rank
         sharded, common, _ = split_state_dict(request.state_dict)
+        if request.content_metadata is not None:
+            common[CONTENT_METADATA_KEY] = request.content_metadata
         config = CheckpointingConfig(request.sharded_strategy.backend, request.sharded_strategy.version,
                                      request.common_strategy.backend, request.common_strategy.version)
         return SplitState(sharded, common, config)
 
     parts = dist.all_run(split_and_configure)
-    if request.content_metadata is not None:
-        parts.common[CONTENT_METADATA_KEY] = request.content_metadata
     if request.validate_access_integrity and dist.world_size > 1:
         compare_common_state_dicts(dist, parts.common, request.preprocess_common)
     if dist.rank == 0 and not any(True for _ in nested_values(parts.sharded)):

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ...mapping import ShardedObject, ShardedTensor
-from ...sharding.geometry import Box, Piece, intersect
+from ...sharding.geometry import Box, Piece, SubBox, intersect
 
 __all__ = [
     "REFORMULATED_SHAPE_KEY",
@@ -239,13 +239,7 @@ def plan_tensor_reads(
     items: List[ReadItem] = []
     tasks: List[ReadTask] = []
     for req_idx, sh in enumerate(requests):
-        md = metadata.state_dict_metadata.get(sh.key)
-        if not isinstance(md, TensorStorageMetadata):
-            stored = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
-            raise KeyMismatchError(
-                f"Tensor '{sh.key}' is not in the checkpoint (it holds {len(stored)} tensors"
-                f"{': ' + str(stored[:20]) if stored else ''}); use a non-default strict mode to skip it"
-            )
+        md = _stored_tensor(sh.key, metadata)
         stored_shape = stored_global_shape(sh.key, md, mcore_data)
         sh.check_against_stored(md.properties.dtype, stored_shape)
         if sh.key not in catalogs:
@@ -254,29 +248,11 @@ def plan_tensor_reads(
         req_subs = req_piece.subboxes()
         loaded = 0
         for chunk in catalogs[sh.key]:
-            if not req_piece.is_flat and not chunk.piece.is_flat:
-                inter = intersect(req_piece.box, chunk.piece.box)
-                if inter is None:
-                    continue
-                loaded += inter.numel
-                task = ReadTask(req_idx, inter, chunk)
-                storage_offsets = inter.relative_to(chunk.piece.box)
-                lengths = inter.shape
-                if chunk.piece.box.offset != chunk.index.offset:  # pragma: no cover - defensive
-                    raise CorruptCheckpointError(f"'{sh.key}': inconsistent chunk index")
-            else:
-                copies = []
-                for rs in req_subs:
-                    for cs in chunk.piece.subboxes():
-                        inter = intersect(rs.box, cs.box)
-                        if inter is not None:
-                            copies.append(((rs.flat_start, rs.box), (cs.flat_start, cs.box), inter))
-                            loaded += inter.numel
-                if not copies:
-                    continue
-                task = ReadTask(req_idx, None, chunk, copies)
-                storage_offsets = (0,) * len(chunk.stored_sizes)
-                lengths = chunk.stored_sizes
+            planned = _read_from_chunk(sh.key, req_idx, req_piece, req_subs, chunk)
+            if planned is None:
+                continue
+            task, storage_offsets, lengths, elements = planned
+            loaded += elements
             items.append(
                 ReadItem(
                     type=LoadItemType.TENSOR,
@@ -295,6 +271,43 @@ def plan_tensor_reads(
                 f"at offset {sh.global_offset}; the checkpoint is incomplete"
             )
     return items, tasks
+
+
+def _stored_tensor(key: str, metadata: Metadata) -> TensorStorageMetadata:
+    """The checkpoint's record of tensor ``key``, or ``KeyMismatchError`` naming what it holds."""
+    md = metadata.state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        stored = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))
+        raise KeyMismatchError(
+            f"Tensor '{key}' is not in the checkpoint (it holds {len(stored)} tensors"
+            f"{': ' + str(stored[:20]) if stored else ''}); use a non-default strict mode to skip it"
+        )
+    return md
+
+
+def _read_from_chunk(key: str, req_idx: int, req_piece: Piece, req_subs: List[SubBox], chunk: StoredChunk
+                     ) -> Optional[Tuple[ReadTask, Tuple[int, ...], Tuple[int, ...], int]]:
+    """What request ``req_idx`` reads from one stored chunk: (task, storage offsets, lengths,
+    elements), or None when they do not overlap. A box meets a box directly; a flattened range on
+    either side is matched sub-box by sub-box (whole stored chunk read, copies listed)."""
+    if not req_piece.is_flat and not chunk.piece.is_flat:
+        inter = intersect(req_piece.box, chunk.piece.box)
+        if inter is None:
+            return None
+        if chunk.piece.box.offset != chunk.index.offset:  # pragma: no cover - defensive
+            raise CorruptCheckpointError(f"'{key}': inconsistent chunk index")
+        return ReadTask(req_idx, inter, chunk), inter.relative_to(chunk.piece.box), inter.shape, inter.numel
+    copies = []
+    elements = 0
+    for rs in req_subs:
+        for cs in chunk.piece.subboxes():
+            inter = intersect(rs.box, cs.box)
+            if inter is not None:
+                copies.append(((rs.flat_start, rs.box), (cs.flat_start, cs.box), inter))
+                elements += inter.numel
+    if not copies:
+        return None
+    return ReadTask(req_idx, None, chunk, copies), (0,) * len(chunk.stored_sizes), tuple(chunk.stored_sizes), elements
 
 
 def _expected_coverage(piece: Piece, stored_shape: Tuple[int, ...]) -> int:
