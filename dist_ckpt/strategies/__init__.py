@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 _SUBMODULES = frozenset({
-    "async_utils", "base", "cached_metadata_filesystem_reader", "common", "dcp", "foreign", "fully_parallel",
+    "async_utils", "base", "cached_metadata_filesystem_reader", "checkpointable", "common", "dcp", "foreign", "fully_parallel",
     "interfaces", "registry", "tensorstore", "torch", "torch_dist", "zarr", "zarr_format",
 })
 
