@@ -311,7 +311,7 @@ def _commit_when_finalized(pending: AsyncRequest, staging: Staging, config: Chec
     """An asynchronous save: step 4 becomes the request's finalization, ``abort`` its cleanup.
     For a URL, the upload of what the background write wrote runs there too (not in finalize)."""
     uploads_in_background = staging.remote is not None and pending.async_fn is not None
-    if uploads_in_background and staging.remote is not None and pending.async_fn is not None:
+    if staging.remote is not None and pending.async_fn is not None:
         pending.async_fn = WriteThenUpload(pending.async_fn, staging.remote)
 
     def finalize() -> None:

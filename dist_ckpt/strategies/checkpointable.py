@@ -36,6 +36,12 @@ from ..mapping import ShardedTensor
 __all__ = ["CheckpointableShardedTensor", "LocalShardsContainer"]
 
 
+def _no_tensor_ops(cls: type, func: Any) -> NotImplementedError:
+    """The error of any tensor operation on the wrappers: they describe data for DCP, hold none."""
+    return NotImplementedError(f"{cls.__name__} is a description for torch.distributed.checkpoint, not a tensor to "
+                               f"compute with ({func} was called); use the ShardedTensor's data")
+
+
 class CheckpointableShardedTensor(torch.Tensor):
     """A ShardedTensor as a DCP ``_Checkpointable`` tensor (Megatron-Core's class and signatures).
 
@@ -99,8 +105,7 @@ class CheckpointableShardedTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
                            kwargs: Optional[Dict] = None) -> Any:
-        raise NotImplementedError(f"{cls.__name__} is a description for torch.distributed.checkpoint, not a tensor "
-                                  f"to compute with ({func} was called); use the ShardedTensor's data")
+        raise _no_tensor_ops(cls, func)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._sh_ten!r})"
@@ -155,8 +160,7 @@ class LocalShardsContainer(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (),  # type: ignore[override]
                            kwargs: Optional[Dict] = None) -> Any:
-        raise NotImplementedError(f"{cls.__name__} is a description for torch.distributed.checkpoint, not a tensor "
-                                  f"to compute with ({func} was called)")
+        raise _no_tensor_ops(cls, func)
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._local_shards!r})"
