@@ -30,8 +30,6 @@ LEFT_OUT = {
     "strategies.state_dict_saver.save_state_dict_async_plan": "internals of that writer",
     "strategies.state_dict_saver.verify_global_md_reuse": "internals of that writer",
     "strategies.state_dict_saver.save_state_dict_async_finalize": "internals of that writer",
-    "strategies.torch.sharded_tensor_to_torch_sharded_tensor": "converts to torch's deprecated torch.distributed._shard ShardedTensor",
-    "strategies.torch.mcore_to_pyt_state_dict": "same",
     "tensor_aware_state_dict.MCoreTensorAwareStateDict": "in-memory checkpoint API of Megatron's local checkpointing, not dist_checkpointing's format",
 }
 
