@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -129,11 +129,14 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     return [r for rs in results for r in rs]
 
 
-def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[WriteResult], recorder: Recorder) -> None:
-    """Coordinator: complete ``metadata`` with where every item went and write ``.metadata``."""
+def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[WriteResult], recorder: Recorder,
+                       checkpoint_id: Optional[str] = None) -> None:
+    """Coordinator: complete ``metadata`` with where every item went and write ``.metadata``
+    (``checkpoint_id``: the directory the checkpoint is committed to, if not ``checkpoint_dir``)."""
     metadata.version = DCP_FORMAT_VERSION
     metadata.storage_data = {r.index: r.storage_data for r in results}
-    metadata.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir))
+    save_id = getattr(metadata.storage_meta, "save_id", None)
+    metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id or str(checkpoint_dir), save_id=save_id)
     content = pickle.dumps(metadata)
     recorder.add(DCP_METADATA_FNAME, 0, len(content), hash_bytes(content))
     atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, content)
