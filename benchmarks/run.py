@@ -1,5 +1,7 @@
 """dist_ckpt against the raw file I/O ceiling, torch.save/torch.load, plain PyTorch DCP and
-Megatron-Core (when installed), on the same GPT-like state, in one run.
+Megatron-Core (when installed), on the same GPT-like state, in one run; and plain ``dcp.save`` /
+``dcp.load`` with torch's FileSystemWriter/Reader against the same calls with dist_ckpt's
+(``dcp+dist_ckpt``: ``strategies.filesystem``).
 
     python benchmarks/run.py                      # ~1 GiB state, 3 repeats, a few minutes
     python benchmarks/run.py --size-mib 256 --repeat 2 --json out.json
@@ -56,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 import dist_ckpt  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  # noqa: E402
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
 
 WORLD = 2
@@ -192,6 +195,12 @@ def _tools(state: Dict[str, tuple], rank: int, world: int) -> Dict[str, tuple]:
     def dcp_load(d: Path) -> None:
         dcp.load({f"{k}@{rank}": t for k, t in targets.items()}, checkpoint_id=str(d))
 
+    def plugin_save(d: Path) -> None:  # dist_ckpt as DCP's storage plugin: same call, our writer
+        dcp.save({f"{k}@{rank}": t for k, t in tensors.items()}, storage_writer=FileSystemWriter(d))
+
+    def plugin_load(d: Path) -> None:
+        dcp.load({f"{k}@{rank}": t for k, t in targets.items()}, storage_reader=FileSystemReader(d))
+
     def ours_save(d: Path) -> None:
         dist_ckpt.save(_sharded(state, rank, world), d)
 
@@ -199,7 +208,7 @@ def _tools(state: Dict[str, tuple], rank: int, world: int) -> Dict[str, tuple]:
         dist_ckpt.load(_sharded({k: (targets[k], a) for k, (_, a) in state.items()}, rank, world), d)
 
     tools = {"raw": (raw_save, raw_load), "torch.save": (torch_save, torch_load), "dcp": (dcp_save, dcp_load),
-             "dist_ckpt": (ours_save, ours_load)}
+             "dcp+dist_ckpt": (plugin_save, plugin_load), "dist_ckpt": (ours_save, ours_load)}
     mdc = _megatron()
     if mdc is not None:
         def mcore_save(d: Path) -> None:
@@ -420,6 +429,12 @@ def _ratios(results: Times) -> str:
             parts.append(f"{count} small tensors {statistics.median(mc[f'small_save_{count}']) / med[f'small_save_{count}']:.2f}x"
                          f" / {statistics.median(mc[f'small_load_{count}']) / med[f'small_load_{count}']:.2f}x faster than "
                          f"Megatron-Core (save / load)")
+    plugin, torch_dcp = results.get("dcp+dist_ckpt", {}), results.get("dcp", {})
+    for phase in ("save", "load", "load_cached"):
+        if phase in plugin and phase in torch_dcp:
+            parts.append(f"dcp.{phase.split('_')[0]} with dist_ckpt's {'writer' if phase == 'save' else 'reader'} "
+                         f"{statistics.median(torch_dcp[phase]) / statistics.median(plugin[phase]):.2f}x torch's"
+                         + (" (cached)" if phase == "load_cached" else ""))
     for phase in ("save", "load", "load_resharded"):
         if phase in mc and phase in med:
             parts.append(f"{phase} {statistics.median(mc[phase]) / med[phase]:.2f}x faster than Megatron-Core")
