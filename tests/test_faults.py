@@ -99,10 +99,10 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
 
             save_steps.commit_staged = commit_staged
         elif fault == "enospc":
-            def write_one_file(*a, **k):
+            def write_dcp_file(*a, **k):
                 raise OSError(errno.ENOSPC, "No space left on device")
 
-            dcp_io._write_one_file = write_one_file
+            dcp_io.write_dcp_file = write_dcp_file
         elif fault == "stuck":
             original = dcp_io.write_dcp_files
 

@@ -26,10 +26,6 @@ from dist_helpers import run_distributed
 
 # Left out on purpose (path -> reason); anything else missing fails the test.
 LEFT_OUT = {
-    "strategies.filesystem_async.FileSystemWriterAsync": "Megatron's DCP writer; dist_ckpt writes the same bytes with strategies.dcp.files.write_dcp_files",
-    "strategies.state_dict_saver.save_state_dict_async_plan": "internals of that writer",
-    "strategies.state_dict_saver.verify_global_md_reuse": "internals of that writer",
-    "strategies.state_dict_saver.save_state_dict_async_finalize": "internals of that writer",
     "tensor_aware_state_dict.MCoreTensorAwareStateDict": "in-memory checkpoint API of Megatron's local checkpointing, not dist_checkpointing's format",
 }
 

@@ -44,8 +44,10 @@ from ..storage.object_store import (
     WriteThenUpload,
     begin_remote_save,
     files_owned,
+    forget_destination,
     is_url,
     localize,
+    register_destination,
     scratch_listing,
     written_files,
 )
@@ -202,6 +204,7 @@ def stage(request: SaveRequest, parts: SplitState, dist: DistWrapper) -> Staging
     if isinstance(shared, RemoteSave):
         staging = Staging(shared.scratch, remote=shared)
         dist.all_run(lambda: staging.directory.mkdir(parents=True, exist_ok=True))
+        register_destination(staging.directory, shared.destination_url)  # for writers that write there themselves
     else:
         staging = Staging(Path(shared), local=kept if isinstance(kept, StagedSave) else None)
     if fingerprint is not None:
@@ -247,8 +250,9 @@ def commit(staging: Staging, config: CheckpointingConfig, dist: DistWrapper, upl
     """Step 4: checksums to the coordinator, which commits. ``uploaded``: files an asynchronous
     save's background write has put at the URL already (``WriteThenUpload``)."""
     entries = forget_recorder(staging.directory)
+    uploaded = set(uploaded) | forget_destination(staging.directory)  # written into the store by a user's writer
     if staging.remote is not None:
-        return _upload_and_commit(staging.directory, staging.remote, config, entries, dist, set(uploaded))
+        return _upload_and_commit(staging.directory, staging.remote, config, entries, dist, uploaded)
     local = staging.local
 
     def finish(all_entries: List[List[ManifestEntry]]) -> None:
@@ -278,6 +282,7 @@ def abort(staging: Staging, dist: DistWrapper) -> None:
     """After a failure every rank knows of: forget the checksums, drop the staging directory
     (and, for a URL, what this save uploaded)."""
     forget_recorder(staging.directory)
+    forget_destination(staging.directory)
     if staging.local is not None:
         staging.local.abort()
     if staging.remote is not None:

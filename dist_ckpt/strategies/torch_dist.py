@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import (
     LoadPlanner,
     ReadItem,
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -60,6 +61,7 @@ from .dcp.plan import (
     stored_global_shape,
     stored_tensor_catalog,
 )
+from .dcp.protocol_path import ReaderFactory, WriterFactory, load_through_dcp, save_request_through_dcp
 from .dcp.staging import StagingBuffers, StagingLease
 
 logger = logging.getLogger(__name__)
@@ -146,12 +148,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         async_staging_budget: bytes per rank an asynchronous save may copy (``staging``): the
             copies are reused by the next save; tensors beyond the budget are written before
             ``async_save`` returns. None: stage everything.
+        storage_writer_factory: ``checkpoint id -> StorageWriter``: a DCP storage writer of the
+            user's (torch's ``FsspecWriter``, an object-store connector's) writes the files,
+            through DCP's protocol (``dcp.protocol_path``); given the save's directory, or for a
+            URL the save directory in the store. Its files are read back once for the manifest.
+        planner: a DCP ``SavePlanner`` of the user's (rename, drop, transform items), through
+            DCP's protocol as well; default Megatron-Core's ``MCoreSavePlanner``.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
                  async_writer: str = "thread", zip_crc32: bool = False,
-                 async_staging_budget: Optional[int] = None) -> None:
+                 async_staging_budget: Optional[int] = None, storage_writer_factory: Optional[WriterFactory] = None,
+                 planner: Optional[SavePlanner] = None) -> None:
         """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
         structure fingerprint (``sharding.fingerprint.structure_fingerprint``) is the same on every rank
         as in this strategy's previous save reuses that save's plan instead of gathering all
@@ -175,6 +184,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.zip_crc32 = zip_crc32
         self.async_staging_budget = async_staging_budget
         self._staging: Optional[StagingBuffers] = None
+        self.storage_writer_factory = storage_writer_factory
+        self.planner = planner
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -191,6 +202,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Plan (or reuse the cached plan), stage the tensors (or write now what exceeds the
         staging budget), and return the request whose background part writes the rest and whose
         finalization, collective, writes ``.metadata``."""
+        if self.storage_writer_factory is not None or self.planner is not None:
+            return save_request_through_dcp(sharded_state_dict, checkpoint_dir, stage, self.storage_writer_factory,
+                                            self.planner, self.thread_count)
         dist = DistWrapper()
         leaves = list(nested_values(sharded_state_dict))
         tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
@@ -417,19 +431,30 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     Args:
         thread_count: reader threads per rank (each reads a run of neighbouring items).
+        storage_reader_factory: ``checkpoint directory -> StorageReader``: a DCP storage reader of
+            the user's reads the files, through DCP's protocol (``dcp.protocol_path``); for a URL
+            checkpoint it is given dist_ckpt's verified local copy.
+        planner: a DCP ``LoadPlanner`` of the user's (rename keys, transform tensors on load),
+            through DCP's protocol as well.
     """
 
     backend = "torch_dist"
     supported_versions = (1,)
 
-    def __init__(self, thread_count: int = 2) -> None:
+    def __init__(self, thread_count: int = 2, storage_reader_factory: Optional[ReaderFactory] = None,
+                 planner: Optional[LoadPlanner] = None) -> None:
         self.thread_count = thread_count
+        self.storage_reader_factory = storage_reader_factory
+        self.planner = planner
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        if self.storage_reader_factory is not None or self.planner is not None:
+            return load_through_dcp(sharded_state_dict, Path(checkpoint_dir), self.storage_reader_factory,
+                                    self.planner, self.thread_count)
         reader = DcpReader(checkpoint_dir, self.thread_count)
         metadata = reader.read_metadata()
         leaves = list(nested_values(sharded_state_dict))

@@ -56,6 +56,7 @@ asynchronous filesystems: s3fs, gcsfs, ...); filesystems without an asynchronous
 implementation have only their own timeouts.
 """
 
+from .destinations import destination_of, forget_destination, note_written_at_destination, register_destination
 from .download import cache_root, local_copy, localize
 from .store import (
     DEADLINE_ENV,
@@ -112,4 +113,8 @@ __all__ = [
     "upload_files",
     "require_empty_prefix",
     "new_scratch_dir",
+    "register_destination",
+    "destination_of",
+    "note_written_at_destination",
+    "forget_destination",
 ]

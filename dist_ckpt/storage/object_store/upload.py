@@ -126,6 +126,11 @@ class RemoteSave:
     def scratch(self) -> Path:
         return scratch_root() / self.save_name
 
+    @property
+    def destination_url(self) -> str:
+        """The save directory in the store (``U/dist_ckpt-save-<id>``)."""
+        return f"{self.url.rstrip('/')}/{self.save_name}"
+
     def location(self) -> StoreLocation:
         """The store, its client reused by the saves of this process to this URL (a new S3
         client costs about half a second of the training thread's finalization)."""

@@ -39,6 +39,7 @@ from .record import write_tensor_record
 __all__ = [
     "DCP_METADATA_FNAME",
     "DCP_FORMAT_VERSION",
+    "write_dcp_file",
     "write_dcp_files",
     "write_dcp_metadata",
     "DcpReader",
@@ -74,8 +75,9 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
     return [b for b in buckets if b]
 
 
-def _write_one_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                    recorder: Recorder, zip_crc32: bool = True) -> List[WriteResult]:
+def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
+                   recorder: Recorder, zip_crc32: bool = True) -> List[WriteResult]:
+    """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync."""
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
@@ -113,7 +115,7 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     def run(i: int) -> None:
         try:
             name = f"{prefix}{first_file + i}.distcp"
-            results[i] = _write_one_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32)
+            results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)
 
