@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -185,8 +186,18 @@ def test_a_second_writer_is_refused_while_a_save_is_staged_and_the_first_commits
     plans = first.prepare_global_plan([first.prepare_local_plan(planner.create_local_plan())])
     plans, metadata = planner.create_global_plan(plans)
 
-    with pytest.raises(CheckpointException, match="Another save is writing"):  # DCP wraps ConcurrentSaveError
-        dcp.save(_plain_state(3.0), storage_writer=FileSystemWriter(target))
+    errors = []
+
+    def second_save() -> None:  # another thread (or process): the first save is alive
+        try:
+            dcp.save(_plain_state(3.0), storage_writer=FileSystemWriter(target))
+        except CheckpointException as e:  # DCP wraps our ConcurrentSaveError
+            errors.append(str(e))
+
+    thread = threading.Thread(target=second_save)
+    thread.start()
+    thread.join(60)
+    assert len(errors) == 1 and "Another save is writing" in errors[0], errors
     assert tensors_bitwise_equal(_load_plain(target)["w"], W)  # the committed one, whole
 
     plan = planner.finish_plan(plans[0])
@@ -249,3 +260,23 @@ def test_urls_and_missing_paths_get_clear_errors(tmp_path):
         dcp.save(_plain_state(), storage_writer=FileSystemWriter())
     with pytest.raises(BaseException, match=r"nothing/\.metadata is missing"):
         _load_plain(tmp_path / "nothing")
+
+
+def test_a_save_that_failed_after_staging_does_not_block_the_next_one_from_this_thread(tmp_path):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class Failing(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            raise OSError(28, "No space left on device (injected)")
+
+    target = tmp_path / "ckpt"
+    dcp.save(_plain_state(1.0), storage_writer=FileSystemWriter(target))
+    failed_writer = FileSystemWriter(target)  # kept alive: its lock is not released by garbage collection
+    with pytest.raises(CheckpointException, match="injected"):
+        dcp.save(_plain_state(2.0), storage_writer=failed_writer, planner=Failing())
+    assert [p for p in os.listdir(tmp_path) if "staging" in p]  # what the dead save left
+    assert tensors_bitwise_equal(_load_plain(target)["w"], W)  # the committed one, whole
+
+    dcp.save(_plain_state(3.0), storage_writer=FileSystemWriter(target))  # same thread: the dead save is aborted
+    assert tensors_bitwise_equal(_load_plain(target)["w"], W * 3.0)
+    assert not [p for p in os.listdir(tmp_path) if "staging" in p]

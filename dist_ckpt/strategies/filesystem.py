@@ -25,14 +25,19 @@ Call order (the seed's numbered protocol, what ``dcp.save`` does on every rank):
 (when a ``checkpoint_id`` is given), ``set_up_storage_writer``, ``prepare_local_plan``; on the
 coordinator ``prepare_global_plan`` - which takes the target's lock and creates the staging
 directory, whose name every rank receives inside its plan - then everywhere ``write_data``, and
-on the coordinator ``finish``, which commits. A save that fails between the two leaves its
-staging directory; the next save of the same target (or ``dist-ckpt clean``) removes it.
+on the coordinator ``finish``, which commits. DCP tells a writer nothing when a save fails
+between the two (another rank's ``write_data`` raised): the coordinator's writer still holds
+the target's lock and its staging directory. A thread runs one ``dcp.save`` at a time, so the
+next save of the same target from the same thread knows that save is dead and aborts it
+(removes the staging directory, releases the lock) - whichever writer object it uses; a save
+from another thread or process still in flight is refused (``ConcurrentSaveError``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +77,21 @@ class _RecordedStorage:
 
     info: Any
     entry: ManifestEntry
+
+
+# target -> (thread that staged it, the staged save): saves of this process between
+# prepare_global_plan and finish (module doc: how a dead one is recognized)
+_open_saves: "dict[Path, tuple[int, StagedSave]]" = {}
+_open_saves_lock = threading.Lock()
+
+
+def _abort_dead_save_of_this_thread(target: Path) -> None:
+    with _open_saves_lock:
+        prior = _open_saves.get(target)
+        if prior is None or prior[0] != threading.get_ident():
+            return
+        del _open_saves[target]
+    prior[1].abort()
 
 
 def _local_path(checkpoint_id: Union[PathLike, None], what: str) -> Path:
@@ -146,7 +166,11 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         """Coordinator: lock the target, create the staging directory, and give each rank its
         file prefix and the staging directory's name (all before a byte is written)."""
         self._abort_staged()
-        self._staged = begin_save(self._target(), self.overwrite)
+        target = self._target()
+        _abort_dead_save_of_this_thread(target)
+        self._staged = begin_save(target, self.overwrite)
+        with _open_saves_lock:
+            _open_saves[target] = (threading.get_ident(), self._staged)
         name = self._staged.staging.name
         return [dataclasses.replace(plan, storage_data=_Destination(name, f"__{i}_")) for i, plan in enumerate(plans)]
 
@@ -180,20 +204,19 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
                 f"{type(self).__name__}.finish without prepare_global_plan: this writer did not stage {self.path}")
         flat = [r for rank_results in results for r in rank_results]
         plain = [dataclasses.replace(r, storage_data=r.storage_data.info) for r in flat]
-        recorder = open_recorder(staged.staging)
         try:
-            write_dcp_metadata(staged.staging, metadata, plain, recorder, checkpoint_id=str(staged.target))
-            TorchCommonSaveStrategy().save_common({}, staged.staging)
-        finally:
-            entries = forget_recorder(staged.staging)
-        entries = [r.storage_data.entry for r in flat] + entries
-        try:
-            commit_staged(staged, CheckpointingConfig("torch_dist", 1), entries)
+            recorder = open_recorder(staged.staging)
+            try:
+                write_dcp_metadata(staged.staging, metadata, plain, recorder, checkpoint_id=str(staged.target))
+                TorchCommonSaveStrategy().save_common({}, staged.staging)
+            finally:
+                entries = forget_recorder(staged.staging)
+            commit_staged(staged, CheckpointingConfig("torch_dist", 1), [r.storage_data.entry for r in flat] + entries)
         except BaseException:
-            staged.abort()
+            staged.abort()  # the target keeps what it had
             raise
         finally:
-            self._staged = None
+            self._forget(staged)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _target(self) -> Path:
@@ -202,9 +225,16 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         return self.path
 
     def _abort_staged(self) -> None:
-        staged, self._staged = self._staged, None
+        staged = self._staged
         if staged is not None:
+            self._forget(staged)
             staged.abort()
+
+    def _forget(self, staged: StagedSave) -> None:
+        self._staged = None
+        with _open_saves_lock:
+            if _open_saves.get(staged.target, (0, None))[1] is staged:
+                del _open_saves[staged.target]
 
 
 class FileSystemReader(DcpReader):
