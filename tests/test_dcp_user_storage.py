@@ -262,3 +262,63 @@ def test_filesystem_writer_async_and_state_dict_saver_as_megatron_core(tmp_path)
         assert out["failure"] != "no error", rank  # raised on every rank ...
         if rank == 0:
             assert out["failure"] is True, out["failure"]  # ... with the worker's failure named on the coordinator
+
+
+# -- a user's DCP planners: rename and drop keys on save, rename back and transform on load -------
+
+def _planners():
+    from dist_ckpt.strategies.torch import MCoreLoadPlanner, MCoreSavePlanner
+
+    class RenameAndDrop(MCoreSavePlanner):
+        """Saves 'w' as 'model.w' and leaves 'norm' out."""
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+            kept = {("model." + k if k == "w" else k): v for k, v in state_dict.items() if k != "norm"}
+            super().set_up_planner(kept, storage_meta, is_coordinator)
+
+    class RenameBackAndHalve(MCoreLoadPlanner):
+        """Reads 'w' from 'model.w' and halves it as it lands."""
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            renamed = {("model." + k if k == "w" else k): v for k, v in state_dict.items()}
+            super().set_up_planner(renamed, metadata, is_coordinator)
+
+        def commit_tensor(self, read_item, tensor):
+            tensor.mul_(0.5)
+
+    return RenameAndDrop, RenameBackAndHalve
+
+
+def _planner_flows(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter
+
+    RenameAndDrop, RenameBackAndHalve = _planners()
+    out = {}
+    # 1. the torch_dist strategy
+    saving = TorchDistSaveShardedStrategy(planner=RenameAndDrop())
+    dist_ckpt.save(_state(rank), f"{root}/strategy", sharded_strategy=saving)
+    out["strategy keys"] = sorted(dist_ckpt.load_tensors_metadata(f"{root}/strategy"))
+    reading = TorchDistLoadShardedStrategy(planner=RenameBackAndHalve())
+    rows = ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8), (0, rank, 2))
+    loaded = dist_ckpt.load({"w": rows}, f"{root}/strategy", sharded_strategy=reading)
+    out["strategy values"] = tensors_bitwise_equal(loaded["w"], FULL[rank * 6:(rank + 1) * 6] * 0.5)
+
+    # 2. the storage plugin under plain dcp.save / dcp.load
+    mesh = init_device_mesh("cpu", (world,))
+    state = {"w": distribute_tensor(FULL, mesh, [Shard(0)]), "norm": distribute_tensor(FULL[0], mesh, [Shard(0)])}
+    dcp.save(state, storage_writer=FileSystemWriter(f"{root}/plugin"), planner=RenameAndDrop())
+    out["plugin keys"] = sorted(FileSystemReader(f"{root}/plugin").read_metadata().state_dict_metadata)
+    target = {"w": distribute_tensor(torch.zeros(12, 8), mesh, [Shard(1)])}
+    dcp.load(target, storage_reader=FileSystemReader(f"{root}/plugin"), planner=RenameBackAndHalve())
+    out["plugin values"] = tensors_bitwise_equal(target["w"].full_tensor(), FULL * 0.5)
+    return out
+
+
+def test_a_users_planners_rename_drop_and_transform(tmp_path):
+    for rank, out in enumerate(run_distributed(_planner_flows, 2, str(tmp_path))):
+        assert out["strategy keys"] == ["model.w"], out  # 'norm' dropped, 'w' renamed (objects are not tensors)
+        assert out["plugin keys"] == ["model.w"], out
+        assert out["strategy values"] is True and out["plugin values"] is True, (rank, out)
