@@ -112,6 +112,22 @@ def _local_flows(rank: int, world: int, root: str) -> dict:
     queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
     out["async"] = _equal(dist_ckpt.load(_request(rank), f"{root}/async"), rank, 2.0)
+
+    # the user's factory fails on one rank: every rank raises it, nothing is committed, none hangs
+    def failing_factory(checkpoint_id):
+        if rank == 1:
+            raise OSError("no such bucket (injected)")
+        return dcp.FileSystemWriter(checkpoint_id)
+
+    try:
+        dist_ckpt.save(_state(rank), f"{root}/failing",
+                       sharded_strategy=TorchDistSaveShardedStrategy(storage_writer_factory=failing_factory))
+        out["factory failure"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["factory failure"] = "no such bucket (injected)" in str(e)
+    import os
+
+    out["nothing committed"] = not os.path.exists(f"{root}/failing/metadata.json")
     return out
 
 
@@ -120,7 +136,7 @@ def test_a_users_filesystem_writer_and_reader_under_torch_dist(tmp_path):
         assert out["writer calls"] == SEED_WRITER_ORDER[rank == 0], (rank, out["writer calls"])
         assert out["reader calls"] == SEED_READER_ORDER[rank == 0], (rank, out["reader calls"])
         for flow in ("checkpoint id is the staging dir", "sync, our reader", "sync, their reader",
-                     "manifest names the data files", "async"):
+                     "manifest names the data files", "async", "factory failure", "nothing committed"):
             assert out[flow] is True, (rank, flow, out)
 
 

@@ -66,11 +66,23 @@ def save_request_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_di
     checkpoint_id = destination_of(checkpoint_dir)
     pyt_state_dict = dist.all_run(lambda: mcore_to_pyt_state_dict(
         _by_key(list(nested_values(sharded_state_dict)), main_replicas_only=True)))
-    writer = (writer_factory(checkpoint_id) if writer_factory is not None
-              else FileSystemWriterAsync(checkpoint_dir, thread_count=thread_count, in_process_results=True))
+    writer = dist.all_run(lambda: writer_factory(checkpoint_id) if writer_factory is not None
+                          else FileSystemWriterAsync(checkpoint_dir, thread_count=thread_count, in_process_results=True))
     ours = isinstance(writer, FileSystemWriterAsync)  # hashes what it writes itself
     driven: Any = writer if ours else BackgroundWrite(writer)
-    finalize_args, *_ = save_state_dict_async_plan(pyt_state_dict, driven, planner=planner or MCoreSavePlanner())
+    planned: List[Any] = []
+    failure: List[BaseException] = []
+    try:  # DCP shares a failure of its planning; one of prepare_write_data (after it) is shared below
+        planned.append(save_state_dict_async_plan(pyt_state_dict, driven, planner=planner or MCoreSavePlanner()))
+    except Exception as e:  # noqa: BLE001 - raised on every rank by the all_run below
+        failure.append(e)
+
+    def raise_failure() -> None:
+        if failure:
+            raise failure[0]
+
+    dist.all_run(raise_failure)
+    finalize_args = planned[0][0]
     write_fn, preload_fn, fn_args = driven.get_save_function_and_args()
     request = AsyncRequest(write_fn, tuple(fn_args), [], preload_fn=preload_fn if stage else None)
     request.preferred_caller = "thread"  # the writer object stays in this process
@@ -116,8 +128,8 @@ def load_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
     flat = _by_key(leaves, main_replicas_only=False)
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
     pyt_state_dict = mcore_to_pyt_state_dict(flat, is_loading=True)
-    reader = (reader_factory(str(checkpoint_dir)) if reader_factory is not None
-              else FileSystemReader(checkpoint_dir, thread_count))
+    reader = DistWrapper().all_run(lambda: reader_factory(str(checkpoint_dir)) if reader_factory is not None
+                                   else FileSystemReader(checkpoint_dir, thread_count))
     dcp.load(pyt_state_dict, storage_reader=reader,
              planner=planner or _SafeObjectsLoadPlanner(shapes_validation_sharded_tensors=tensors))
 
