@@ -162,12 +162,29 @@ def exchange_loaded_tensors_broadcast(
         md = shard_distribution.shard_to_metadata[sid]
         if rank == owner:
             tensor = to_collective_device(loaded_tensors[sid], parallelization_group)
-        else:  # received; kept only if this rank asked for it
-            tensor = empty_for_collective(_flat_or_local_shape(md), md.dtype, parallelization_group)
+        else:  # received; kept (in ``result``) only if this rank asked for it
+            tensor, _ = _get_empty_tensor_for_exchange(sid, unloaded_shards, {sid: md}, result,
+                                                       parallelization_group)
         dist.broadcast(tensor, src=_global_rank(parallelization_group, owner), group=parallelization_group)
-        if rank != owner and sid in unloaded_shards:
-            result[sid] = tensor
     return result
+
+
+def _get_empty_tensor_for_exchange(
+    shard_id: ShardId, needed_shards: Dict[ShardId, ShardedTensor], unneeded_shards: Dict[ShardId, ShardedTensor],
+    loaded_tensors: Dict[ShardId, torch.Tensor], group: Optional[dist.ProcessGroup] = None,
+) -> Tuple[torch.Tensor, Optional[torch.device]]:
+    """The receive buffer of one shard's exchange (Megatron-Core's name and arguments; its tests
+    patch it to watch memory): on the device the group's backend needs (Megatron-Core: always
+    CUDA). A shard this rank needs gets its buffer recorded in ``loaded_tensors`` and the device
+    its destination lives on; any other is received and dropped (device None)."""
+    needed = needed_shards.get(shard_id)
+    if needed is None:
+        md = unneeded_shards[shard_id]
+        return empty_for_collective(_flat_or_local_shape(md), md.dtype, group), None
+    orig_device = needed.data.device if needed.data is not None else None
+    tensor = empty_for_collective(_flat_or_local_shape(needed), needed.dtype, group)
+    loaded_tensors[shard_id] = tensor
+    return tensor, orig_device
 
 
 def _flat_or_local_shape(md: ShardedTensor) -> Tuple[int, ...]:

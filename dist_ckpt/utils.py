@@ -205,3 +205,30 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+# -- Megatron-Core's private helpers that Megatron-LM and its tests import by these names ----------
+
+_ShardId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, ...]]]
+
+
+def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+    """The identity of a ShardedTensor's data, equal on every rank holding a replica of it:
+    (key, global offset, flattened range as (start, stop) or None) - Megatron-Core's value."""
+    flat = sharded_tensor.flattened_range
+    return (sharded_tensor.key, tuple(sharded_tensor.global_offset), None if flat is None else (flat.start, flat.stop))
+
+
+def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
+    """The identity of a ShardedObject's data: (key, global offset, global shape), as in Megatron-Core."""
+    return (sharded_object.key, tuple(sharded_object.global_offset), tuple(sharded_object.global_shape))
+
+
+def _clean_metadata_for_serialization(metadata: Optional[dict]) -> Optional[dict]:
+    """A copy of a checkpoint's content metadata without what cannot be saved (Megatron-LM
+    passes ``dp_cp_group``, a process group, in it); None stays None."""
+    if metadata is None:
+        return None
+    clean = dict(metadata)
+    clean.pop("dp_cp_group", None)
+    return clean

@@ -87,6 +87,7 @@ def why_not_a_checkpoint(path: Path) -> str:
     if entries and all(is_dist_ckpt_leftover(Path(e)) for e in entries):
         return (f"{path} holds only what interrupted saves left ({', '.join(sorted(entries)[:3])}), no committed "
                 f"checkpoint: `dist-ckpt clean {path}` removes them")
-    return (f"{path} holds no committed checkpoint (no {CONFIG_FNAME}): its save did not finish, or it is not a "
-            f"dist_ckpt / Megatron-Core distributed checkpoint, a PyTorch DCP checkpoint (.metadata) or Hugging "
-            f"Face safetensors{clean_hint}")
+    # "is not a distributed checkpoint": Megatron-Core's words, which its callers and tests look for
+    return (f"{path} is not a distributed checkpoint: it holds no committed checkpoint (no {CONFIG_FNAME}) - its "
+            f"save did not finish, or it is not a dist_ckpt / Megatron-Core checkpoint, a PyTorch DCP checkpoint "
+            f"(.metadata) or Hugging Face safetensors{clean_hint}")

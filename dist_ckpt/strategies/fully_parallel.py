@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+import torch  # noqa: F401 - Megatron-Core's tests patch fully_parallel.torch.distributed.broadcast
 import torch.distributed as dist
 
 from ..core import CheckpointingException
@@ -29,6 +30,7 @@ from ..exchange_utils import (
 )
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
 from ..runtime.collectives import DistWrapper
+from ..utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId  # noqa: F401 - Megatron-Core's names here
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
 
