@@ -127,9 +127,10 @@ def load_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
     leaves = list(nested_values(sharded_state_dict))
     flat = _by_key(leaves, main_replicas_only=False)
     tensors = [leaf for leaf in leaves if isinstance(leaf, ShardedTensor)]
-    pyt_state_dict = mcore_to_pyt_state_dict(flat, is_loading=True)
-    reader = DistWrapper().all_run(lambda: reader_factory(str(checkpoint_dir)) if reader_factory is not None
-                                   else FileSystemReader(checkpoint_dir, thread_count))
+    dist = DistWrapper()  # failures before DCP's own collectives are shared here
+    pyt_state_dict = dist.all_run(lambda: mcore_to_pyt_state_dict(flat, is_loading=True))
+    reader = dist.all_run(lambda: reader_factory(str(checkpoint_dir)) if reader_factory is not None
+                          else FileSystemReader(checkpoint_dir, thread_count))
     dcp.load(pyt_state_dict, storage_reader=reader,
              planner=planner or _SafeObjectsLoadPlanner(shapes_validation_sharded_tensors=tensors))
 
