@@ -35,7 +35,7 @@ import queue
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -192,18 +192,19 @@ class FileSystemWriterAsync(FileSystemWriter):
             t.start()
         for t in threads:
             t.join()
-        results_or_exc: Union[Dict[int, Any], BaseException] = {}
+        results: Dict[int, Any] = {}
+        failure: Optional[BaseException] = None
         for _ in write_buckets:
             try:
                 index, outcome = local_results.get_nowait()
             except queue.Empty:
-                results_or_exc = RuntimeError(f"a writer of rank {rank} ended without a result")
+                failure = RuntimeError(f"a writer of rank {rank} ended without a result")
                 break
             if isinstance(outcome, BaseException):
-                results_or_exc = outcome
+                failure = outcome
                 break
-            results_or_exc[index] = outcome
-        global_results_queue.put(results_or_exc)
+            results[index] = outcome
+        global_results_queue.put(failure if failure is not None else results)
 
     @staticmethod
     def write_preloaded_data(transform_list: List[Any], local_proc_idx: int, write_bucket: WriteBucket,
@@ -234,10 +235,11 @@ class FileSystemWriterAsync(FileSystemWriter):
             args[1] = preload_fn()
             write_fn(*args)
         results = self.retrieve_write_results()
-        if isinstance(results, BaseException) or not isinstance(results, list):
-            future.set_exception(results if isinstance(results, BaseException) else RuntimeError(str(results)))
-        else:
+        if isinstance(results, list):
             future.set_result(results)
+        else:  # DCP's wrapped exception: (exception, traceback summary)
+            error = results[0] if isinstance(results, tuple) and isinstance(results[0], BaseException) else None
+            future.set_exception(cast(Any, error or RuntimeError(str(results))))
         return future
 
     # -- 3. finalization ------------------------------------------------------------------------

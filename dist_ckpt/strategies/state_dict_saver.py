@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def save_state_dict_async_plan(
         local_plan = storage_writer.prepare_local_plan(local_plan)
         return local_plan
 
-    def global_step(all_local_plans: List[SavePlan]) -> List[SavePlan]:
+    def global_step(all_local_plans: List[SavePlan]) -> List[SavePlan]:  # coordinator
         nonlocal global_metadata
         all_local_plans, global_metadata = planner.create_global_plan(all_local_plans)
         return storage_writer.prepare_global_plan(all_local_plans)
@@ -89,7 +89,7 @@ def save_state_dict_async_plan(
         global_md_verify_reuse = verify_global_md_reuse(loaded_all_plans, local_plan, rank, dist_wrapper)
         if not loaded_all_plans or not global_md_verify_reuse:
             all_local_plans = dist_wrapper.gather_object(local_plan)
-            if dist_wrapper.is_coordinator:
+            if dist_wrapper.is_coordinator and all_local_plans is not None:
                 _, global_metadata = planner.create_global_plan(all_local_plans)
                 global_metadata.all_local_plans = all_local_plans  # type: ignore[attr-defined]
         central_plan = storage_writer.prepare_decentralized_global_plan(
@@ -99,7 +99,7 @@ def save_state_dict_async_plan(
         central_plan = dist_wrapper.reduce_scatter("plan", local_step, global_step)
     central_plan = planner.finish_plan(central_plan)
     storage_writer.prepare_write_data(central_plan, planner)
-    return ((storage_writer, global_metadata, dist_wrapper), central_plan, local_plan,
+    return ((storage_writer, global_metadata, dist_wrapper), central_plan, cast(SavePlan, local_plan),
             cached_central_plan == central_plan, global_md_verify_reuse)
 
 
@@ -126,7 +126,7 @@ def save_state_dict_async_finalize(storage_writer: Any, global_metadata: Optiona
     write_results = storage_writer.retrieve_write_results()
     all_results = dist_wrapper.gather_object(write_results)
     node_failures: Dict[int, Any] = {}
-    if dist_wrapper.is_coordinator:
+    if dist_wrapper.is_coordinator and all_results is not None:
         node_failures = _get_failure_dict(all_results)
         if not node_failures:
             try:

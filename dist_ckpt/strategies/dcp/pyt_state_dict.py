@@ -56,23 +56,26 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
         rank = torch.distributed.get_rank()
     world_size = torch.distributed.get_world_size()
 
-    by_offset: Dict[Tuple[int, ...], List[ShardedTensor]] = {}
+    by_offset: Dict[Tuple[int, ...], List[Tuple[ShardedTensor, torch.Tensor]]] = {}
+    views = []
     for sh in sh_tens:
-        sh.data = sh.require_data().contiguous().view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-        by_offset.setdefault(tuple(sh.global_offset), []).append(sh)
-    grid_box = tuple(first.data.shape)  # one cell of the grid, prepended axes included
-    local_shards = [Shard.from_tensor_and_offsets(sh.data, list(sh.global_offset), rank) for sh in sh_tens]
+        view = sh.require_data().contiguous().view((1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        sh.data = view  # a load lands in the ShardedTensor's own data
+        views.append(view)
+        by_offset.setdefault(tuple(sh.global_offset), []).append((sh, view))
+    data = views[0]
+    grid_box = tuple(data.shape)  # one cell of the grid, prepended axes included
+    local_shards = [Shard.from_tensor_and_offsets(view, list(sh.global_offset), rank) for sh, view in zip(sh_tens, views)]
 
-    shards_metadata = []
-    for cell in product(*map(range, first.axis_fragmentations)):
+    shards_metadata: List[ShardMetadata] = []
+    for cell in product(*map(range, first.axis_fragmentations or ())):
         offset = tuple(i * size for i, size in zip(cell, grid_box))
         if offset in by_offset:
-            shards_metadata.extend(ShardMetadata(list(offset), list(sh.data.shape), f"rank:{rank}/{sh.data.device}")
-                                   for sh in by_offset[offset])
+            shards_metadata.extend(ShardMetadata(list(offset), list(view.shape), f"rank:{rank}/{view.device}")
+                                   for _, view in by_offset[offset])
         else:  # another rank's shard: only its box matters (torch wants a rank other than this one)
             shards_metadata.append(ShardMetadata(list(offset), list(grid_box),
-                                                 f"rank:{(rank + 1) % world_size}/{first.data.device}"))
-    data = first.data
+                                                 f"rank:{(rank + 1) % world_size}/{data.device}"))
     metadata = ShardedTensorMetadata(
         shards_metadata=shards_metadata,
         size=torch.Size(first.global_shape),
@@ -81,7 +84,7 @@ def sharded_tensor_to_torch_sharded_tensor(sh_tens: List[ShardedTensor], rank: O
     )
     result = TorchShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards, sharded_tensor_metadata=metadata, process_group=None)
-    result.mcore_sh_ten = first.without_data()  # runtime only, not saved
+    setattr(result, "mcore_sh_ten", first.without_data())  # runtime only, not saved (Megatron-Core's attribute)
     return result
 
 
@@ -112,7 +115,7 @@ def mcore_to_pyt_state_dict(state_dict: Dict[str, List[ShardedBase]], is_loading
         first = sh_tens[0]
         if (first.prepend_axis_num or first.flattened_range is not None) and first.has_regular_grid:
             converted = sharded_tensor_to_torch_sharded_tensor(sh_tens, None, load_legacy_1d_flatten_tensors)
-            converted.key = first.key
+            setattr(converted, "key", first.key)  # Megatron-Core's attribute
             return converted
         if len(sh_tens) > 1:
             return LocalShardsContainer([CheckpointableShardedTensor.from_sh_ten(sh) for sh in sh_tens])

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import io
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import fsspec
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.utils import _wrap_exception
 
@@ -88,7 +88,7 @@ class BackgroundWrite:
         self._data = {}
         for item in plan.items:
             value = planner.resolve_data(item)
-            self._data[item.index] = value.getvalue() if item.type == WriteItemType.BYTE_IO else value
+            self._data[item.index] = value.getvalue() if isinstance(value, io.BytesIO) else value
 
     def get_save_function_and_args(self) -> Tuple[Any, Any, List[Any]]:
         return self._write, self._preload, [self._plan, self._data]
@@ -100,7 +100,7 @@ class BackgroundWrite:
 
     def _write(self, plan: SavePlan, data: Dict[MetadataIndex, Any]) -> None:
         try:
-            future = self.writer.write_data(plan, _ResolvedPlanner(data))
+            future = self.writer.write_data(plan, cast(SavePlanner, _ResolvedPlanner(data)))
             self._outcome = future.wait()
         except Exception as e:  # noqa: BLE001 - reported at finalization, on every rank
             self._outcome = _wrap_exception(e)
