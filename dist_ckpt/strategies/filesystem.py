@@ -132,7 +132,6 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
         self._staged: Optional[StagedSave] = None  # coordinator, from prepare_global_plan to finish
-        self._destination: Optional[_Destination] = None
 
     # -- 0. which checkpoint --------------------------------------------------------------------
     def reset(self, checkpoint_id: Union[PathLike, None] = None) -> None:
@@ -142,7 +141,6 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         if checkpoint_id is not None:
             self.path = _local_path(checkpoint_id, type(self).__name__)
         self.save_id = uuid.uuid4().hex
-        self._destination = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[PathLike, None]) -> bool:
