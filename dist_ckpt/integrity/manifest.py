@@ -65,6 +65,12 @@ def hash_bytes(data: Union[bytes, bytearray, memoryview]) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def new_hasher() -> "xxhash.xxh3_64":
+    """An incremental hasher of ``HASH_ALGORITHM`` (``update(bytes)``, ``hexdigest()``), for
+    code that hashes a range piece by piece; the algorithm is named here only."""
+    return xxhash.xxh3_64()
+
+
 @dataclass(frozen=True)
 class ManifestEntry:
     """``length`` bytes at ``offset`` of ``file`` (relative to the checkpoint) hash to ``hash``."""
@@ -87,7 +93,7 @@ class HashingWriter:
         self._raw = raw
         self._pos = raw.tell()
         self._start = self._pos
-        self._hasher = xxhash.xxh3_64()
+        self._hasher = new_hasher()
         self.error: Optional[OSError] = None  # torch.save hides its writer's errors; we keep them
 
     def write(self, data: Any) -> int:

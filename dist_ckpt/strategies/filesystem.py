@@ -267,8 +267,7 @@ class FileSystemReader(DcpReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Before reading: every item must lie inside its file (hostile or truncated checkpoints
         fail here, naming the file and key)."""
-        metadata = Metadata(state_dict_metadata={}, storage_data=self.storage_data)
-        self.check_plan(metadata, plan.items, [0] * len(plan.items))
+        self.check_plan(self.storage_data, plan.items, [0] * len(plan.items))
         return plan
 
     @staticmethod

@@ -461,7 +461,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]
         objects = [o for o in leaves if isinstance(o, ShardedObject)]
         items, tasks = plan_tensor_reads(requests, metadata)
-        reader.check_plan(metadata, items, [_nbytes(t.chunk.stored_sizes, requests[t.request].dtype) for t in tasks])
+        reader.check_plan(metadata.storage_data, items, [_nbytes(t.chunk.stored_sizes, requests[t.request].dtype) for t in tasks])
         for sh in requests:
             # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
             sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
@@ -539,7 +539,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                          for c in chunks]
                 nbytes = [_nbytes(c.stored_sizes, md.properties.dtype) for c in chunks]
             try:
-                reader.check_plan(metadata, items, nbytes)
+                reader.check_plan(metadata.storage_data, items, nbytes)
             except CheckpointingException as e:
                 problems.append(str(e))
         return problems

@@ -19,12 +19,18 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
@@ -273,13 +279,14 @@ class DcpReader(FileSystemReader):
                 raise CorruptCheckpointError(f"{path}: item '{index.fqn}' has an invalid offset or length")
         return metadata
 
-    def check_plan(self, metadata: Metadata, items: List[ReadItem], chunk_nbytes: List[int]) -> None:
+    def check_plan(self, storage_data: Mapping[MetadataIndex, Any], items: List[ReadItem],
+                   chunk_nbytes: List[int]) -> None:
         """Before anything is allocated: every item must lie inside its file, and each tensor
         chunk must fit in the bytes recorded for it (so hostile metadata cannot make us
         allocate more than the checkpoint holds)."""
         sizes: Dict[str, int] = {}
         for item, nbytes in zip(items, chunk_nbytes):
-            info = metadata.storage_data.get(item.storage_index)
+            info = storage_data.get(item.storage_index)
             if info is None:
                 raise CorruptCheckpointError(
                     f"'{item.storage_index.fqn}' (chunk at {list(item.storage_index.offset or [])}) has no "

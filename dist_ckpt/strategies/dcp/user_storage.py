@@ -24,14 +24,13 @@ from typing import Any, Dict, List, Optional, Tuple, cast
 
 import fsspec
 import torch
-import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ...core import CheckpointingException
-from ...integrity.manifest import ManifestEntry
+from ...integrity.manifest import ManifestEntry, hash_bytes, new_hasher
 from .files import DCP_METADATA_FNAME
 
 __all__ = ["BackgroundWrite", "read_back_entries", "read_back_file_entry"]
@@ -123,7 +122,7 @@ def _opener(writer: Any, checkpoint_id: str) -> Any:
 
 def _hash_range(stream: Any, offset: int, length: int, what: str) -> str:
     stream.seek(offset)
-    hasher, left = xxhash.xxh3_64(), length
+    hasher, left = new_hasher(), length
     while left:
         piece = stream.read(min(left, _PIECE))
         if not piece:
@@ -160,6 +159,6 @@ def read_back_file_entry(writer: Any, checkpoint_id: str, name: str = DCP_METADA
     """The manifest entry of a whole file the writer wrote (``.metadata``, by the coordinator)."""
     with _opener(writer, checkpoint_id)(name) as stream:
         content = stream.read()
-    return ManifestEntry(name, 0, len(content), xxhash.xxh3_64_hexdigest(content))
+    return ManifestEntry(name, 0, len(content), hash_bytes(content))
 
 
