@@ -81,6 +81,23 @@ def test_load_fills_given_tensors_in_place_and_allocates_missing_data(tmp_path):
     assert torch.equal(noncontig, w)
 
 
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_load_in_place_into_parameters_that_require_grad(tmp_path, backend):
+    """Megatron's optimizers hand over model parameters (and views of them: flattened ranges) as
+    load destinations; an in-place load into a tensor that requires grad must not trip autograd."""
+    w = torch.arange(12.0).reshape(3, 4)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", w)}, tmp_path / "c", (backend, 1))
+    whole = torch.nn.Parameter(torch.zeros(3, 4))
+    transposed = torch.nn.Parameter(torch.zeros(4, 3))
+    for target in (whole, transposed.t()):  # contiguous, and a non-contiguous view
+        out = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, tmp_path / "c")
+        assert out["w"] is target and torch.equal(target.detach(), w) and target.requires_grad
+    flat = torch.nn.Parameter(torch.zeros(12))
+    piece = ShardedTensor.from_rank_offsets_flat("w", flat[3:9], (3, 4), flattened_range=slice(3, 9))
+    dist_ckpt.load({"w": piece}, tmp_path / "c", validate_access_integrity=False)
+    assert torch.equal(flat.detach(), torch.tensor([0.0] * 3 + list(range(3, 9)) + [0.0] * 3))
+
+
 def test_strategy_given_as_object_or_tuple(tmp_path):
     w = torch.arange(6.0)
     save_strategy = dist_ckpt.get_default_strategy(dist_ckpt.StrategyAction.SAVE_SHARDED, "torch_dist", 1)

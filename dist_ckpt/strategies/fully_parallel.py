@@ -165,7 +165,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             if sh.data is None:
                 return tensor
             if sh.data is not tensor:
-                sh.data.copy_(tensor.view(sh.data.shape))
+                sh.data.detach().copy_(tensor.view(sh.data.shape))
             return sh.data
 
         result = dict_list_map_outplace(fill, sharded_state_dict)

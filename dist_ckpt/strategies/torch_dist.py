@@ -353,9 +353,11 @@ class _ViewLoadPlanner(LoadPlanner):
     def __init__(self, requests: List[ShardedTensor], tasks: List[ReadTask]) -> None:
         self._requests = requests
         self._tasks = tasks
-        # Destinations as contiguous buffers (the data itself unless it is non-contiguous).
-        datas = [sh.require_data() for sh in requests]
-        self.buffers = [d if d.is_contiguous() else d.contiguous() for d in datas]
+        # Destinations as contiguous buffers (the data itself unless it is non-contiguous),
+        # detached: loading writes in place, also into a model's parameters (which require grad).
+        datas = [sh.require_data().detach() for sh in requests]
+        self._separate = [not d.is_contiguous() for d in datas]
+        self.buffers = [d.contiguous() if separate else d for d, separate in zip(datas, self._separate)]
         self.objects: Dict[str, Any] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
@@ -402,9 +404,9 @@ class _ViewLoadPlanner(LoadPlanner):
             dst.copy_(src)
 
     def copy_back(self) -> None:
-        for sh, buffer in zip(self._requests, self.buffers):
-            if buffer is not sh.data:
-                sh.require_data().copy_(buffer)
+        for sh, buffer, separate in zip(self._requests, self.buffers, self._separate):
+            if separate:
+                sh.require_data().detach().copy_(buffer)
 
 
 def _task_index(read_item: ReadItem) -> int:

@@ -227,7 +227,7 @@ class ZarrArrayLoadStrategy(LoadShardedStrategy):
             self._check_chunks(checkpoint_dir, meta, region)
         # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
         sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
-        data = sh.require_data()
+        data = sh.require_data().detach()  # in place into a parameter that requires grad, too
         buffer = data if data.is_contiguous() else data.contiguous()
         flat = buffer.view(-1)
         for sub, region in regions:
