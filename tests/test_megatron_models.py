@@ -15,6 +15,26 @@ from dist_helpers import run_distributed
 pytestmark = pytest.mark.slow
 
 
+def _gpt_model(tensor_parallel: int, seed: int):
+    """A small GPT model of Megatron-Core's (random weights from ``seed``), built after
+    (re)initializing model parallelism with ``tensor_parallel``; the hook must be installed."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.random_()
+    return model
+
+
 def _gpt_tp2_to_tp1(rank: int, world: int, root: str) -> dict:
     import warnings
 
@@ -24,29 +44,14 @@ def _gpt_tp2_to_tp1(rank: int, world: int, root: str) -> dict:
     dist_ckpt.megatron.install()  # before anything imports megatron
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CPU-only machine
     from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    def build(tensor_parallel: int, seed: int) -> GPTModel:
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-        torch.manual_seed(seed)
-        config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                         max_sequence_length=8)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.random_()
-        return model
 
     try:
-        tp2 = build(2, seed=1)
+        tp2 = _gpt_model(2, seed=1)
         sharded = tp2.sharded_state_dict()
         kinds = sorted({type(v).__module__ for v in dist_ckpt.dict_utils.nested_values(sharded)
                         if hasattr(v, "key")})
         dist_ckpt.save(sharded, f"{root}/tp2")
-        tp1 = build(1, seed=2)  # other values: the load must replace every one of them
+        tp1 = _gpt_model(1, seed=2)  # other values: the load must replace every one of them
         before = {k: v.clone() for k, v in tp1.state_dict().items() if isinstance(v, torch.Tensor)}
         result = tp1.load_state_dict(dist_ckpt.load(tp1.sharded_state_dict(), f"{root}/tp2"), strict=True)
         changed = sum(not torch.equal(before[k], v) for k, v in tp1.state_dict().items() if k in before)
@@ -81,24 +86,13 @@ def _gpt_distributed_optimizer_tp2_to_tp1(rank: int, world: int, root: str, shar
     megatron_training_on_cpu()
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     def build(tensor_parallel: int, seed: int):
         """A GPT model under DDP with Megatron's distributed optimizer, its Adam state filled as
         Megatron-Core's own checkpoint tests fill it (random moments, a step count)."""
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-        torch.manual_seed(seed)
-        config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
-                         max_sequence_length=8)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.random_()
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+        model = _gpt_model(tensor_parallel, seed)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
                                            [ddp])
         for group in optimizer.optimizer.param_groups:
