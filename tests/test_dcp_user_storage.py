@@ -11,13 +11,13 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dist_helpers import run_distributed
+from s3_server import moto_server, new_bucket
 
 import dist_ckpt
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
-from dist_helpers import run_distributed
-from s3_server import moto_server, new_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -197,6 +197,67 @@ def test_fsspec_writer_and_reader_under_torch_dist_against_s3(tmp_path):
                                                       "dist_ckpt_manifest.json", "metadata.json"], out
 
 
+def _save_through_a_stalling_fsspec_writer(rank: int, world: int, url: str, server_pid: int) -> dict:
+    """Save once, then save again with the server stopped (SIGSTOP, by rank 0) while the user's
+    ``FsspecWriter`` writes; what each rank sees, and what the URL holds after the server resumes."""
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    dist_ckpt.save(_state(rank, 1.0), url)
+    # the user's writer with short timeouts of its own (s3fs' defaults retry for minutes)
+    timeouts = {"config_kwargs": {"connect_timeout": 2, "read_timeout": 2, "retries": {"max_attempts": 1}}}
+
+    class StallingWriter(FsspecWriter):
+        def write_data(self, plan, planner):
+            dist.barrier()
+            if rank == 0:
+                os.kill(server_pid, signal.SIGSTOP)  # stalled before any rank writes a byte
+            dist.barrier()
+            return super().write_data(plan, planner)
+
+    saving = TorchDistSaveShardedStrategy(storage_writer_factory=lambda d: StallingWriter(d, **timeouts),
+                                          storage_writer_timeout_s=5)
+    start = time.monotonic()
+    try:
+        dist_ckpt.save(_state(rank, 2.0), url, sharded_strategy=saving, storage_options={"dist_ckpt_deadline_s": 3})
+        outcome = ("saved", "")
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        outcome = (type(e).__name__, str(e))
+    seconds = time.monotonic() - start
+    dist.barrier()
+    if rank == 0:
+        os.kill(server_pid, signal.SIGCONT)
+    dist.barrier()
+    kept = _equal(dist_ckpt.load(_request(rank), url), rank, 1.0)
+    dist_ckpt.save(_state(rank, 3.0), url, sharded_strategy=TorchDistSaveShardedStrategy(
+        storage_writer_factory=lambda d: FsspecWriter(d)))
+    retried = _equal(dist_ckpt.load(_request(rank), url), rank, 3.0)
+    return {"outcome": outcome, "seconds": seconds, "previous checkpoint intact": kept, "retry saved": retried}
+
+
+def test_a_stalled_server_under_a_users_fsspec_writer_fails_the_save_and_loses_nothing(tmp_path):
+    """The store stops answering while the user's ``FsspecWriter`` writes (s3fs then blocks for ever
+    sending a request body, whatever its timeouts): with ``storage_writer_timeout_s`` the save fails
+    on every rank soon after that limit, naming it; the checkpoint at the URL stays the previous
+    one, and once the server answers a retried save commits."""
+    from s3_server import server_pid
+
+    with moto_server({"DIST_CKPT_CACHE": str(tmp_path / "cache"), "DIST_CKPT_SCRATCH": str(tmp_path / "scratch")}) \
+            as endpoint:
+        url = f"s3://{new_bucket()}/run/iter_1"
+        results = run_distributed(_save_through_a_stalling_fsspec_writer, 2, url, server_pid(endpoint))
+    for rank, out in enumerate(results):
+        assert out["outcome"][0] == "CheckpointException", (rank, out)  # DCP's, raised on every rank
+        assert 5 <= out["seconds"] < 40, (rank, out)
+        assert out["previous checkpoint intact"] is True and out["retry saved"] is True, (rank, out)
+    message = results[0]["outcome"][1]  # the details reach the coordinator, as in DCP and Megatron-Core
+    assert "StallingWriter did not finish writing s3://" in message and "within 5 s (storage_writer_timeout_s)" in message
+
+
 # -- Megatron-Core's FileSystemWriterAsync / state_dict_saver flow, ours beside theirs ------------
 
 def _megatron_flow(module_prefix: str, rank: int, root: str, scale: float) -> tuple:
@@ -221,10 +282,9 @@ def _megatron_flow(module_prefix: str, rank: int, root: str, scale: float) -> tu
 
 
 def _writer_async_flows(rank: int, world: int, root: str) -> dict:
+    from megatron_cpu import megatron_dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.api import CheckpointException
-
-    from megatron_cpu import megatron_dist_checkpointing
 
     megatron_dist_checkpointing()
     from dist_ckpt.strategies import filesystem_async

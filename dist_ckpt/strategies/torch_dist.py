@@ -152,6 +152,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             user's (torch's ``FsspecWriter``, an object-store connector's) writes the files,
             through DCP's protocol (``dcp.protocol_path``); given the save's directory, or for a
             URL the save directory in the store. Its files are read back once for the manifest.
+        storage_writer_timeout_s: the longest that writer's ``write_data`` may take on a rank;
+            beyond it the save fails on every rank (``StorageError``) and commits nothing.
+            dist_ckpt's storage deadline covers only its own calls, and a user's writer may
+            block for ever on a stalled server. None (default): no limit, as in DCP.
         planner: a DCP ``SavePlanner`` of the user's (rename, drop, transform items), through
             DCP's protocol as well; default Megatron-Core's ``MCoreSavePlanner``.
     """
@@ -160,7 +164,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                  thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
                  async_writer: str = "thread", zip_crc32: bool = False,
                  async_staging_budget: Optional[int] = None, storage_writer_factory: Optional[WriterFactory] = None,
-                 planner: Optional[SavePlanner] = None) -> None:
+                 planner: Optional[SavePlanner] = None, storage_writer_timeout_s: Optional[float] = None) -> None:
         """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
         structure fingerprint (``sharding.fingerprint.structure_fingerprint``) is the same on every rank
         as in this strategy's previous save reuses that save's plan instead of gathering all
@@ -185,6 +189,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.async_staging_budget = async_staging_budget
         self._staging: Optional[StagingBuffers] = None
         self.storage_writer_factory = storage_writer_factory
+        self.storage_writer_timeout_s = storage_writer_timeout_s
         self.planner = planner
 
     @property
@@ -204,7 +209,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         finalization, collective, writes ``.metadata``."""
         if self.storage_writer_factory is not None or self.planner is not None:
             return save_request_through_dcp(sharded_state_dict, checkpoint_dir, stage, self.storage_writer_factory,
-                                            self.planner, self.thread_count)
+                                            self.planner, self.thread_count, self.storage_writer_timeout_s)
         dist = DistWrapper()
         leaves = list(nested_values(sharded_state_dict))
         tensors = [t for t in leaves if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]

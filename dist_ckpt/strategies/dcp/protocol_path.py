@@ -59,7 +59,7 @@ def _by_key(leaves: List[Any], main_replicas_only: bool) -> Dict[str, List[Shard
 
 def save_request_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool,
                              writer_factory: Optional[WriterFactory], planner: Optional[SavePlanner],
-                             thread_count: int) -> AsyncRequest:
+                             thread_count: int, writer_timeout_s: Optional[float] = None) -> AsyncRequest:
     """Plan now (collective); the returned request writes in its background part and finalizes
     collectively (``.metadata`` by the coordinator, checksums into the save's manifest)."""
     dist = DistWrapper()
@@ -69,7 +69,7 @@ def save_request_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_di
     writer = dist.all_run(lambda: writer_factory(checkpoint_id) if writer_factory is not None
                           else FileSystemWriterAsync(checkpoint_dir, thread_count=thread_count, in_process_results=True))
     ours = isinstance(writer, FileSystemWriterAsync)  # hashes what it writes itself
-    driven: Any = writer if ours else BackgroundWrite(writer)
+    driven: Any = writer if ours else BackgroundWrite(writer, writer_timeout_s)
     planned: List[Any] = []
     failure: List[BaseException] = []
     try:  # DCP shares a failure of its planning; one of prepare_write_data (after it) is shared below

@@ -19,6 +19,7 @@ reading staged copies of the tensors.
 from __future__ import annotations
 
 import io
+import threading
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple, cast
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ...core import CheckpointingException
 from ...integrity.manifest import ManifestEntry, hash_bytes, new_hasher
+from ...storage.object_store import StorageError
 from .files import DCP_METADATA_FNAME
 
 __all__ = ["BackgroundWrite", "read_back_entries", "read_back_file_entry"]
@@ -57,8 +59,12 @@ class BackgroundWrite:
 
     preferred_caller = "thread"
 
-    def __init__(self, writer: StorageWriter) -> None:
+    def __init__(self, writer: StorageWriter, timeout_s: Optional[float] = None) -> None:
+        """``timeout_s``: the longest the writer's ``write_data`` may take (None: no limit, as
+        in DCP). dist_ckpt's storage deadline covers its own calls only; a user's writer can
+        block for ever on a stalled server (s3fs sends a request body without a timeout)."""
         self.writer = writer
+        self.timeout_s = timeout_s
         self.can_run_decentralized_global_plan = False
         self._plan: Optional[SavePlan] = None
         self._data: Dict[MetadataIndex, Any] = {}
@@ -98,11 +104,33 @@ class BackgroundWrite:
                 for index, value in self._data.items()}
 
     def _write(self, plan: SavePlan, data: Dict[MetadataIndex, Any]) -> None:
+        if self.timeout_s is None:
+            self._outcome = self._run_writer(plan, data)
+            return
+        outcome: List[Any] = []
+        # a daemon thread: one stuck in a stalled server's socket must not keep the process alive
+        worker = threading.Thread(target=lambda: outcome.append(self._run_writer(plan, data)), daemon=True,
+                                  name=f"dist_ckpt-{type(self.writer).__name__}")
+        worker.start()
+        worker.join(self.timeout_s)
+        if outcome:
+            self._outcome = outcome[0]
+            return
+        self._outcome = _wrap_exception(StorageError(
+            f"{type(self.writer).__name__} did not finish writing {self.writer_target()} within "
+            f"{self.timeout_s:g} s (storage_writer_timeout_s): the storage is stalled or too slow. The save "
+            f"is abandoned (nothing is committed; the writer's thread is left to end on its own); "
+            f"retry, or raise the limit"))
+
+    def _run_writer(self, plan: SavePlan, data: Dict[MetadataIndex, Any]) -> Any:
         try:
-            future = self.writer.write_data(plan, cast(SavePlanner, _ResolvedPlanner(data)))
-            self._outcome = future.wait()
+            return self.writer.write_data(plan, cast(SavePlanner, _ResolvedPlanner(data))).wait()
         except Exception as e:  # noqa: BLE001 - reported at finalization, on every rank
-            self._outcome = _wrap_exception(e)
+            return _wrap_exception(e)
+
+    def writer_target(self) -> str:
+        """Where the writer writes, for messages."""
+        return str(getattr(self.writer, "path", None) or getattr(self.writer, "checkpoint_id", None) or "its target")
 
     def retrieve_write_results(self) -> Any:
         if self._outcome is None:
