@@ -3,9 +3,10 @@
 Its torch_dist save calls ``torch.cuda.synchronize()`` after staging and builds a tensor on
 ``torch.cuda.current_device()`` to agree on failures; both raise on a CPU-only torch. Loading
 needs neither. Its model-training pieces (the distributed optimizer, DDP's buffers) go further:
-``megatron_training_on_cpu`` maps their CUDA allocations to the CPU. The shims are installed in the rank processes of a test only, never by
-dist_ckpt. Megatron-Core's forked writers also import ``psutil``; without it they die before
-reporting and the save waits forever (hence ``psutil`` in the test extra).
+``megatron_training_on_cpu`` maps their CUDA allocations to the CPU. The shims are installed in
+the rank processes of a test only, never by dist_ckpt. Megatron-Core's forked writers also
+import ``psutil``; without it they die before reporting and the save waits forever (hence
+``psutil`` in the test extra).
 """
 
 from __future__ import annotations

@@ -255,7 +255,8 @@ def test_a_stalled_server_under_a_users_fsspec_writer_fails_the_save_and_loses_n
         assert 5 <= out["seconds"] < 40, (rank, out)
         assert out["previous checkpoint intact"] is True and out["retry saved"] is True, (rank, out)
     message = results[0]["outcome"][1]  # the details reach the coordinator, as in DCP and Megatron-Core
-    assert "StallingWriter did not finish writing s3://" in message and "within 5 s (storage_writer_timeout_s)" in message
+    assert "StallingWriter did not finish writing s3://" in message, message
+    assert "within 5 s (storage_writer_timeout_s)" in message, message
 
 
 # -- Megatron-Core's FileSystemWriterAsync / state_dict_saver flow, ours beside theirs ------------

@@ -92,7 +92,8 @@ def _gpt_distributed_optimizer_tp2_to_tp1(rank: int, world: int, root: str, shar
         """A GPT model under DDP with Megatron's distributed optimizer, its Adam state filled as
         Megatron-Core's own checkpoint tests fill it (random moments, a step count)."""
         model = _gpt_model(tensor_parallel, seed)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+        ddp = DistributedDataParallel(model.config, ddp_config, model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True),
                                            [ddp])
         for group in optimizer.optimizer.param_groups:

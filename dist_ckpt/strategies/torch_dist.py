@@ -468,7 +468,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]
         objects = [o for o in leaves if isinstance(o, ShardedObject)]
         items, tasks = plan_tensor_reads(requests, metadata)
-        reader.check_plan(metadata.storage_data, items, [_nbytes(t.chunk.stored_sizes, requests[t.request].dtype) for t in tasks])
+        chunk_nbytes = [_nbytes(t.chunk.stored_sizes, requests[t.request].dtype) for t in tasks]
+        reader.check_plan(metadata.storage_data, items, chunk_nbytes)
         for sh in requests:
             # Outside the stored extent (allow_shape_mismatch) freshly allocated data reads as zeros.
             sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)

@@ -117,7 +117,7 @@ class BackgroundWrite:
             self._outcome = outcome[0]
             return
         self._outcome = _wrap_exception(StorageError(
-            f"{type(self.writer).__name__} did not finish writing {self.writer_target()} within "
+            f"{type(self.writer).__name__} did not finish writing {self._writer_target()} within "
             f"{self.timeout_s:g} s (storage_writer_timeout_s): the storage is stalled or too slow. The save "
             f"is abandoned (nothing is committed; the writer's thread is left to end on its own); "
             f"retry, or raise the limit"))
@@ -128,7 +128,7 @@ class BackgroundWrite:
         except Exception as e:  # noqa: BLE001 - reported at finalization, on every rank
             return _wrap_exception(e)
 
-    def writer_target(self) -> str:
+    def _writer_target(self) -> str:
         """Where the writer writes, for messages."""
         return str(getattr(self.writer, "path", None) or getattr(self.writer, "checkpoint_id", None) or "its target")
 
