@@ -150,14 +150,16 @@ def exchange_loaded_tensors_broadcast(
     loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
 ) -> Dict[ShardId, torch.Tensor]:
-    """Every shard is broadcast by the rank that loaded it to the group; each rank keeps the
-    shards it needs (``unloaded_shards``) next to those it loaded. Collective on the group.
+    """Every shard another rank needs is broadcast by the rank that loaded it to the group; each
+    rank keeps the shards it needs (``unloaded_shards``) next to those it loaded. A shard only its
+    loader needs is not sent (every rank knows this from the same distribution, so all skip the
+    same collectives). Collective on the group.
     Both sides hand the collective tensors on the device its backend needs
     (``collectives.collective_device``: CUDA for NCCL, which cannot broadcast CPU tensors); a
     received shard stays there (the load copies it into its destination)."""
     rank, _ = group_rank_and_size(parallelization_group)
     result = dict(loaded_tensors)
-    for sid in sorted(shard_distribution.main_rank_for_shard, key=repr):
+    for sid in _shards_needed_elsewhere(shard_distribution):
         owner = shard_distribution.main_rank_for_shard[sid]
         md = shard_distribution.shard_to_metadata[sid]
         if rank == owner:
@@ -167,6 +169,15 @@ def exchange_loaded_tensors_broadcast(
                                                        parallelization_group)
         dist.broadcast(tensor, src=_global_rank(parallelization_group, owner), group=parallelization_group)
     return result
+
+
+def _shards_needed_elsewhere(shard_distribution: ShardDistribution) -> List[ShardId]:
+    """The shards some rank needs besides the one that loads it, in the same order on every rank."""
+    needed_elsewhere = [
+        sid for sid, owner in shard_distribution.main_rank_for_shard.items()
+        if any(r != owner for r in shard_distribution.all_ranks_for_shard.get(sid, ()))
+    ]
+    return sorted(needed_elsewhere, key=repr)
 
 
 def _get_empty_tensor_for_exchange(
@@ -197,11 +208,13 @@ def exchange_loaded_tensors_gather_object(
     loaded_tensors: Dict[ShardId, torch.Tensor], unloaded_shards: Dict[ShardId, ShardedTensor],
     shard_distribution: ShardDistribution, parallelization_group: Optional[dist.ProcessGroup] = None,
 ) -> Dict[ShardId, torch.Tensor]:
-    """Like the broadcast variant, with one ``all_gather_object`` of every loaded shard (simple;
-    holds all of the group's shards in memory at once)."""
+    """Like the broadcast variant, with one ``all_gather_object`` of every loaded shard another
+    rank needs (simple; holds all of those in memory at once)."""
     _, world = group_rank_and_size(parallelization_group)
+    needed_elsewhere = set(_shards_needed_elsewhere(shard_distribution))
+    outgoing = {k: v.cpu() for k, v in loaded_tensors.items() if k in needed_elsewhere}
     gathered: List[Optional[Dict[ShardId, torch.Tensor]]] = [None] * world
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in loaded_tensors.items()}, group=parallelization_group)
+    dist.all_gather_object(gathered, outgoing, group=parallelization_group)
     result = dict(loaded_tensors)
     for tensors in gathered:
         for sid, tensor in (tensors or {}).items():

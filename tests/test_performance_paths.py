@@ -179,6 +179,59 @@ def test_fully_parallel_tp2_dp2_spreads_writes_and_reads(tmp_path):
     assert max(fp_reads) < 0.65 * min(plain_reads), (fp_reads, plain_reads)
 
 
+def _exchange_counts(rank: int, world: int, root: str) -> dict:
+    """A fully parallel load of one replicated tensor and one tensor split over the ranks: only the
+    replicated one is read by one rank and sent to the other; each rank's own piece is not sent."""
+    import torch.distributed as dist
+
+    def state(empty: bool) -> dict:
+        shared, whole = _values("shared", (64,), torch.float32, 0), _values("unique", (2 * 64,), torch.float32, 0)
+        mine = whole[rank * 64 : (rank + 1) * 64]
+        return {"shared": ShardedTensor.from_rank_offsets("shared", torch.zeros(64) if empty else shared.clone(),
+                                                          replica_id=rank),
+                "unique": ShardedTensor.from_rank_offsets("unique", torch.zeros(64) if empty else mine.clone(),
+                                                          (0, rank, world)),
+                "expected": {"shared": shared, "unique": mine}}
+
+    dist_ckpt.save({k: v for k, v in state(False).items() if k != "expected"}, f"{root}/ckpt")
+    real_broadcast, real_gather, sent = dist.broadcast, dist.all_gather_object, []
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        sent.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+
+    def counting_gather(output, obj, *args, **kwargs):
+        if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            sent.extend(v.numel() for v in obj.values())  # the tensor exchange's payload
+        return real_gather(output, obj, *args, **kwargs)
+
+    counts = {}
+    for algo in ("broadcast", "gather_object"):
+        request = state(True)
+        expected = request.pop("expected")
+        strategy = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo=algo)
+        sent.clear()
+        dist.broadcast, dist.all_gather_object = counting_broadcast, counting_gather
+        try:
+            loaded = dist_ckpt.load(request, f"{root}/ckpt", sharded_strategy=strategy)
+        finally:
+            dist.broadcast, dist.all_gather_object = real_broadcast, real_gather
+        for key in expected:
+            assert tensors_bitwise_equal(loaded[key], expected[key]), (algo, key)
+        counts[algo] = list(sent)
+    return counts
+
+
+def test_fully_parallel_load_sends_only_shards_another_rank_needs(tmp_path):
+    """Megatron-Core's test_only_necessary_exchanges_performed_during_load, on real processes: a
+    shard only its loader needs costs no collective (it cost one broadcast per shard before)."""
+    counts = run_distributed(_exchange_counts, 2, str(tmp_path))
+    # the replicated tensor once, by the rank that read it (rank 0 sends, rank 1 receives; for
+    # gather_object only the sender's payload is non-empty)
+    assert counts[0] == {"broadcast": [64], "gather_object": [64]}, counts
+    assert counts[1] == {"broadcast": [64], "gather_object": []}, counts
+
+
 # -- async staging: reused buffers, memory budget ---------------------------------------------------
 
 
