@@ -207,8 +207,10 @@ def _refuse_allocating_globals(source: IO[bytes], what: str) -> None:
         )
 
 
-def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str, **kwargs: Any) -> Any:
-    """``torch.load`` to CPU with the allowlist; ``what`` names the file/item in errors."""
+def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str,
+                    extra_globals: Iterable[Any] = (), **kwargs: Any) -> Any:
+    """``torch.load`` to CPU with the allowlist (and ``extra_globals``, the caller's own classes
+    for this load only); ``what`` names the file/item in errors."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     if is_trusted_unpickling():
@@ -216,7 +218,7 @@ def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: st
     if isinstance(source, (str, pathlib.Path)):
         source = io.BytesIO(pathlib.Path(source).read_bytes())
     _refuse_allocating_globals(source, what)
-    allowed = get_safe_globals()
+    allowed = get_safe_globals() + list(extra_globals)
     for attempt in range(2):
         try:
             with torch.serialization.safe_globals(allowed):

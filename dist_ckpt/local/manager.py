@@ -1,0 +1,318 @@
+"""``LocalCheckpointManager``: each rank's state on node-local storage (or tmpfs), copied to its
+clique's peers, found and loaded back in seconds, with NVIDIA Resiliency Extension's interface
+and semantics (``checkpointing.local.ckpt_managers.local_manager``).
+
+Files: ``<root>/<session_id>/<rank>/iter_<7 digits>_<owner rank>_local.pt``, one per owner
+(this rank's own part and its peers' copies); written to ``.dirty`` exclusively and renamed when
+complete (``storage.local_parts``). An iteration is usable when every rank's part exists on some
+rank (counting copies only with replication); ``find_latest`` agrees on the newest such
+iteration on every rank, ``load`` verifies every byte before use and fetches a missing or damaged
+part from a peer's verified copy, and a save that did not reach every rank is removed and raised
+on every rank. Older iterations are removed once a newer one is complete everywhere.
+
+What is better than NVRx's: parts carry checksums and are never unpickled unverified or outside
+dist_ckpt's allowlist (NVRx uses ``torch.load(weights_only=False)``); a damaged part is treated
+as missing instead of loaded; overlapping asynchronous saves replicate in submission order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from ..core import CheckpointExistsError, CheckpointingException
+from ..mapping import ShardedObject, ShardedTensor
+from ..runtime.collectives import DistWrapper
+from ..storage.local_parts import DIRTY_SUFFIX, PartFile, parse_part, read_part, remove_part, write_part
+from ..strategies.async_utils import AsyncRequest
+from ..tensor_aware_state_dict import MCoreTensorAwareStateDict, TensorAwareStateDict
+from .replication import CliqueReplicationStrategy, LazyCliqueReplicationStrategy, NoReplicasAvailableError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LocalCheckpointManager", "CkptID", "SameMachineReplicationException"]
+
+CkptID = Tuple[int, int, Any]  # (iteration, owner rank, session id), as NVRx
+_DIGITS = 7
+# What a part's hollow state may hold besides dist_ckpt's allowlist: the state dict classes.
+_STATE_GLOBALS: List[Any] = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject, slice]
+
+
+class SameMachineReplicationException(CheckpointingException):
+    """A part that already exists here would be written again (NVRx's name)."""
+
+    def __init__(self, ckpt_id: CkptID) -> None:
+        super().__init__(f"Checkpoint '{ckpt_id}' already exists on the same machine.")
+
+
+class LocalCheckpointManager:
+    """Saves and loads ``TensorAwareStateDict`` s (e.g. ``MCoreTensorAwareStateDict``) to a
+    node-local directory, with optional replication to peers.
+
+    Args:
+        root_local_ckpt_dir: the node-local root (an SSD or ``/dev/shm``, which survives the
+            death of the training processes but not of the node).
+        session_id: a subdirectory separating jobs that share the root.
+        repl_strategy: ``CliqueReplicationStrategy`` (or the lazy one) for copies on peers;
+            None keeps each part on its own rank only.
+        allowed_globals: classes a custom state dict's hollow part needs unpickled, on top of
+            dist_ckpt's allowlist and the MCore state dict classes.
+
+    Every rank calls ``save``, ``find_latest`` and ``load`` together, in the same order.
+    """
+
+    def __init__(self, root_local_ckpt_dir: Union[str, Path], session_id: str = "",
+                 repl_strategy: Optional[Union[CliqueReplicationStrategy, LazyCliqueReplicationStrategy]] = None,
+                 allowed_globals: Iterable[Any] = ()) -> None:
+        self.root_local_ckpt_dir = root_local_ckpt_dir
+        self.session_id = session_id
+        self.repl_strategy = repl_strategy
+        self.latest_iteration = -1
+        self.allowed_globals = _STATE_GLOBALS + list(allowed_globals)
+        self._rank: Optional[int] = None
+        self._local_ckpt_dir: Optional[Path] = None
+        self._globally_available: List[List[CkptID]] = []
+        # Replication runs in save order on every rank: save k's transfer waits for save k-1's.
+        self._turns = threading.Condition()
+        self._next_ticket = 0
+        self._serving = 0
+
+    # -- names (NVRx's, so its tests and tools find the files) -------------------------------------
+
+    @property
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = dist.get_rank() if dist.is_initialized() else 0
+        return self._rank
+
+    @property
+    def local_ckpt_dir(self) -> Path:
+        if self._local_ckpt_dir is None:
+            self._local_ckpt_dir = Path(self.root_local_ckpt_dir) / self.session_id / str(self.rank)
+        return self._local_ckpt_dir
+
+    def _ensure_dir(self) -> None:
+        os.makedirs(self.local_ckpt_dir, exist_ok=True)
+
+    def _ckpt_id(self, iteration: int) -> CkptID:
+        if iteration < 0:
+            raise CheckpointingException(f"Invalid iteration: expected a non-negative value, got {iteration}.")
+        return (iteration, self.rank, self.session_id)
+
+    def _filename_from_template(self, iteration: Union[int, str], rank: Union[int, str],
+                                extra_suffix: str = "") -> str:
+        iteration_string = str(iteration).zfill(_DIGITS) if isinstance(iteration, int) else iteration
+        return f"iter_{iteration_string}_{rank}_local{extra_suffix}.pt"
+
+    def _local_ckpt_path_from_id(self, ckpt_id: CkptID, is_dirty: bool = False) -> Path:
+        iteration, rank, session_id = ckpt_id
+        if session_id != self.session_id:
+            raise CheckpointingException(f"checkpoint id {ckpt_id} belongs to session {session_id!r}, "
+                                         f"not this manager's {self.session_id!r}")
+        name = self._filename_from_template(iteration, rank)
+        return self.local_ckpt_dir / (name + DIRTY_SUFFIX if is_dirty else name)
+
+    def _filename_to_id(self, filename: str) -> CkptID:
+        _, iteration, rank, _ = filename.split("_", 3)
+        return (int(iteration), int(rank), self.session_id)
+
+    def _my_ckpt_ids(self) -> List[CkptID]:
+        """The complete parts in this rank's directory (own and copies)."""
+        self._ensure_dir()
+        pattern = re.compile(r"iter_\d{%d,}_\d+_local\.pt" % _DIGITS)
+        return sorted(self._filename_to_id(f.name) for f in self.local_ckpt_dir.iterdir()
+                      if f.is_file() and pattern.fullmatch(f.name))
+
+    # -- find_latest -------------------------------------------------------------------------------
+
+    def find_latest(self) -> int:
+        """The newest iteration whose every rank's part exists somewhere (copies count with
+        replication), the same on every rank; -1 if none. Collective (cached until a save)."""
+        if self.latest_iteration != -1:
+            return self.latest_iteration
+        mine = self._my_ckpt_ids()
+        if self.repl_strategy is None:
+            mine = [i for i in mine if i[1] == self.rank]  # copies cannot be sent without replication
+        self._globally_available = DistWrapper().all_gather_object(mine)
+        world = len(self._globally_available)
+        coverage: dict = {}
+        for ids in self._globally_available:
+            for iteration, owner, _ in ids:
+                coverage.setdefault(iteration, set()).add(owner)
+        complete = [it for it, owners in coverage.items() if owners == set(range(world))]
+        self.latest_iteration = max(complete, default=-1)
+        return self.latest_iteration
+
+    # -- load --------------------------------------------------------------------------------------
+
+    def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
+        """(this rank's state of the ``find_latest`` iteration, its id), every byte verified; a
+        part missing or damaged here is fetched from a peer's verified copy. Collective; raises
+        ``NoReplicasAvailableError`` on every rank if some rank's part cannot be had."""
+        if self.latest_iteration == -1:
+            raise CheckpointingException("The 'find_latest' method must be called before invoking the 'load' function.")
+        iteration = self.latest_iteration
+        ckpt_id = self._ckpt_id(iteration)
+        own_path = self._local_ckpt_path_from_id(ckpt_id)
+        loaded: Optional[Tuple[Any, List[torch.Tensor]]] = None
+        problem = "missing"
+        if own_path.exists():
+            try:
+                loaded = read_part(own_path, self.allowed_globals)
+            except (OSError, CheckpointingException) as e:
+                problem = str(e)
+                logger.warning("rank %s: its local part of iteration %s cannot be used (%s); trying replicas",
+                               self.rank, iteration, e)
+        if self.repl_strategy is not None:
+            held = {owner: self._local_ckpt_path_from_id((iteration, owner, self.session_id))
+                    for it, owner, _ in self._my_ckpt_ids() if it == iteration and owner != self.rank}
+            with self._turn():
+                fetched, _ = self.repl_strategy.retrieve(loaded is not None, held, str(own_path))
+            if fetched is not None:
+                loaded = parse_part(fetched, f"{own_path} (fetched from a peer)", self.allowed_globals)
+        outcomes = DistWrapper().all_gather_object(None if loaded is not None else problem)
+        failed = {r: p for r, p in enumerate(outcomes) if p is not None}
+        if failed:
+            raise NoReplicasAvailableError(
+                f"local checkpoint iteration {iteration} cannot be restored: no verified part for rank(s) "
+                f"{sorted(failed)} ({'; '.join(f'rank {r}: {p}' for r, p in sorted(failed.items()))}); "
+                f"load the persistent checkpoint instead")
+        assert loaded is not None
+        state, tensors = loaded
+        if not isinstance(state, TensorAwareStateDict):
+            raise CheckpointingException(f"{own_path} holds a {type(state).__name__}, not a TensorAwareStateDict")
+        state.insert_tensors(tensors)
+        state.restore_tensor_device(non_blocking=False)
+        return state, ckpt_id
+
+    # -- save --------------------------------------------------------------------------------------
+
+    def save(self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False) -> Optional[AsyncRequest]:
+        """Save this rank's ``state_dict`` as ``iteration`` (and replicate it). Synchronous:
+        returns None once the iteration is complete on every rank (else raises on every rank).
+        Asynchronous: copies the tensors to host memory (training may go on changing them) and
+        returns an ``AsyncRequest`` whose write and replication run in the background and whose
+        finalization (collective) checks completeness and removes older iterations."""
+        if iteration <= self.latest_iteration:
+            raise CheckpointingException(
+                f"A newer checkpoint is already available: {self.latest_iteration} (saving {iteration})")
+        ckpt_id = self._ckpt_id(iteration)
+        self._ensure_dir()
+        restore_after = not is_async
+        if is_async:
+            state_dict.copy_tensors_to_cpu(non_blocking=False)
+        tensors = state_dict.pop_tensors()
+        ticket = self._take_ticket()
+        self.latest_iteration = -1  # find_latest looks again after this save
+
+        def write_and_replicate() -> None:
+            try:
+                self._write_and_replicate(ticket, state_dict, tensors, ckpt_id)
+            finally:
+                if restore_after:
+                    state_dict.insert_tensors(tensors)
+
+        def finalize() -> None:
+            self._finalize(iteration)
+
+        request = AsyncRequest(write_and_replicate, (), [finalize], preferred_caller="thread")
+        request.add_cleanup_fn(lambda: self._cleanup_failed_save(iteration))
+        if is_async:
+            return request
+        request.execute_sync()
+        return None
+
+    def _take_ticket(self) -> int:
+        with self._turns:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            return ticket
+
+    def _turn(self) -> "_Turn":
+        return _Turn(self, self._take_ticket())
+
+    def _write_and_replicate(self, ticket: int, state: TensorAwareStateDict, tensors: List[torch.Tensor],
+                             ckpt_id: CkptID) -> None:
+        iteration = ckpt_id[0]
+        with _Turn(self, ticket):
+            part: Optional[PartFile] = None
+            error: Optional[BaseException] = None
+            try:
+                part = write_part(self._local_ckpt_path_from_id(ckpt_id), state, tensors)
+            except CheckpointExistsError:
+                error = SameMachineReplicationException(ckpt_id)
+            except Exception as e:  # noqa: BLE001 - still take part in the transfers, then raise
+                error = e
+            if self.repl_strategy is not None:
+                self.repl_strategy.replicate_parts(
+                    iteration, part, lambda owner: self._local_ckpt_path_from_id((iteration, owner, self.session_id)))
+            if error is not None:
+                raise error
+
+    def _finalize(self, iteration: int) -> None:
+        self.latest_iteration = -1
+        latest = self.find_latest()
+        self.latest_iteration = -1
+        if latest < iteration:
+            self._cleanup_failed_save(iteration)
+            raise CheckpointingException(
+                f"Failure during saving local checkpoint from iteration {iteration} (last valid iteration is {latest})")
+        if latest > iteration:
+            logger.warning("while saving iteration %s, found the newer complete iteration %s", iteration, latest)
+        self._cleanup(iteration)
+
+    # -- cleanup -------------------------------------------------------------------------------------
+
+    def _parts(self, include_dirty: bool = True) -> List[Tuple[int, Path]]:
+        if not self.local_ckpt_dir.is_dir():
+            return []
+        pattern = re.compile(r"iter_(\d+)_\d+_local\.pt(%s)?" % re.escape(DIRTY_SUFFIX) if include_dirty
+                             else r"iter_(\d+)_\d+_local\.pt")
+        out = []
+        for entry in self.local_ckpt_dir.iterdir():
+            match = pattern.fullmatch(entry.name)
+            if match:
+                out.append((int(match.group(1)), entry))
+        return out
+
+    def _cleanup(self, iteration: int) -> None:
+        """Remove every part (own, copies, unfinished) of iterations older than ``iteration``."""
+        for it, path in self._parts():
+            if it < iteration:
+                remove_part(path)
+
+    def _cleanup_failed_save(self, iteration: int) -> None:
+        """Remove every part of ``iteration`` here (a save that did not complete everywhere)."""
+        for it, path in self._parts():
+            if it == iteration:
+                remove_part(path)
+
+
+class _Turn:
+    """Holds a manager's replication turn ``ticket`` (turns are taken in ticket order)."""
+
+    def __init__(self, manager: LocalCheckpointManager, ticket: int, timeout_s: float = 3600.0) -> None:
+        self.manager = manager
+        self.ticket = ticket
+        self.timeout_s = timeout_s
+
+    def __enter__(self) -> None:
+        turns = self.manager._turns
+        with turns:
+            if not turns.wait_for(lambda: self.manager._serving == self.ticket, timeout=self.timeout_s):
+                raise CheckpointingException(
+                    f"local checkpoint transfer {self.ticket} waited {self.timeout_s:.0f} s for transfer "
+                    f"{self.manager._serving} (an asynchronous save returned by save() was never run?)")
+
+    def __exit__(self, *exc: Any) -> None:
+        turns = self.manager._turns
+        with turns:
+            self.manager._serving = self.ticket + 1
+            turns.notify_all()

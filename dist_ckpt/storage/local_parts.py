@@ -1,0 +1,301 @@
+"""One rank's part of a local checkpoint: a single file, written exclusively, renamed when
+complete, every byte covered by a checksum, read back only after verification.
+
+The local tier (``dist_ckpt.local``) keeps the newest few iterations of each rank's state on
+node-local storage or tmpfs, and copies of its peers' parts. A restart trusts these files only
+as far as they verify: a torn write, a bit flipped on a RAM disk or in transfer, a file cut
+short by a full disk - each is found here and reported as ``CorruptCheckpointError``, so the
+caller treats the part as missing (another replica, then the persistent tier) instead of
+training on bad values (Megatron-LM issue 5281: NaN losses three steps after a restart from a
+silently bad replica).
+
+Layout (little-endian), chosen so a reader can verify without trusting anything first::
+
+    b"DCKLOCAL" u32 version u32 reserved          16 bytes
+    tensor bytes, each at a 64-byte aligned offset  (views on load, no second copy)
+    state: torch.save(<the state without its tensors>)
+    table: JSON {"state": [offset, length, xxh3], "tensors": [[dtype, shape, offset, length, xxh3], ...]}
+    trailer: u64 table offset, u64 table length, u64 xxh3 of the table, b"DCKLOCAL"
+
+Verification reads JSON and hashes bytes, nothing is unpickled before every checksum matched;
+the state is then unpickled with dist_ckpt's allowlist plus the classes the caller names.
+Checksums are ``integrity.manifest``'s xxh3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+
+import torch
+
+from ..core import CheckpointExistsError, CorruptCheckpointError
+from ..integrity.manifest import hash_bytes, new_hasher
+from ..integrity.safe_unpickle import safe_torch_load
+
+__all__ = [
+    "DIRTY_SUFFIX",
+    "PartFile",
+    "write_part",
+    "read_part",
+    "read_part_bytes",
+    "parse_part",
+    "verify_part",
+    "PartReceiver",
+    "remove_part",
+]
+
+MAGIC = b"DCKLOCAL"
+VERSION = 1
+DIRTY_SUFFIX = ".dirty"  # a part being written; never read, removed by cleanup
+_PREAMBLE = struct.Struct("<8sII")
+_TRAILER = struct.Struct("<QQQ8s")
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class PartFile:
+    """A part as written: where, how many bytes, and the xxh3 of all of them (for transfers)."""
+
+    path: Path
+    size: int
+    digest: int
+
+
+def _aligned(offset: int) -> int:
+    return (offset + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().cpu().contiguous().view(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.view(torch.uint8).numpy().data
+
+
+class _HashingFile:
+    """Writes through to a file and hashes everything written (the transfer digest)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.pos = 0
+        self.hasher = new_hasher()
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.hasher.update(view)
+        self.pos += len(view)
+        return len(view)
+
+    def pad_to(self, offset: int) -> None:
+        if offset > self.pos:
+            self.write(bytes(offset - self.pos))
+
+
+def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor]) -> PartFile:
+    """Write ``state`` (anything ``torch.save`` pickles; its tensors taken out beforehand) and
+    ``tensors`` to ``path``: first to ``path + ".dirty"``, opened exclusively (a second writer
+    of the same part fails with ``CheckpointExistsError`` instead of interleaving), renamed to
+    ``path`` once complete. Not fsynced: the local tier survives process death through the
+    page cache or tmpfs, and node loss through replicas; a torn file is caught by the checksums.
+    """
+    path = Path(path)
+    dirty = path.with_name(path.name + DIRTY_SUFFIX)
+    if path.exists():
+        raise CheckpointExistsError(f"local checkpoint part {path} already exists; it is not overwritten")
+    try:
+        raw = open(dirty, "xb")
+    except FileExistsError:
+        raise CheckpointExistsError(
+            f"{dirty} exists: another save of this part is in progress (or was interrupted; "
+            f"the manager's cleanup removes it)"
+        ) from None
+    try:
+        with raw:
+            out = _HashingFile(raw)
+            out.write(_PREAMBLE.pack(MAGIC, VERSION, 0))
+            tensor_table = []
+            for tensor in tensors:
+                data = _as_bytes(tensor)
+                out.pad_to(_aligned(out.pos))
+                offset = out.pos
+                out.write(data)
+                tensor_table.append([str(tensor.dtype).replace("torch.", ""), list(tensor.shape), offset, len(data),
+                                     hash_bytes(data)])
+            state_sink = _Collect()
+            torch.save(state, state_sink)  # type: ignore[arg-type]  # a write-only sink
+            state_bytes = state_sink.getvalue()
+            state_entry = [out.pos, len(state_bytes), hash_bytes(state_bytes)]
+            out.write(state_bytes)
+            table = json.dumps({"state": state_entry, "tensors": tensor_table}).encode()
+            table_offset = out.pos
+            out.write(table)
+            out.write(_TRAILER.pack(table_offset, len(table), int(hash_bytes(table), 16), MAGIC))
+            size, digest = out.pos, out.hasher.intdigest()
+        os.rename(dirty, path)
+    except BaseException:
+        _unlink_quietly(dirty)
+        raise
+    return PartFile(path, size, digest)
+
+
+class _Collect:
+    """A write-only byte sink for torch.save (a BytesIO without the seek torch does not need)."""
+
+    def __init__(self) -> None:
+        self._chunks: List[bytes] = []
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self._chunks.append(chunk)
+        return len(chunk)
+
+    def flush(self) -> None:
+        pass
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._chunks)
+
+
+def read_part_bytes(path: Path) -> bytearray:
+    """The whole part file, after checking it (``parse_part`` would succeed)."""
+    data = _read_file(Path(path))
+    _check(data, str(path))
+    return data
+
+
+def read_part(path: Path, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
+    """(state, tensors) of a part file, verified; ``CorruptCheckpointError`` names what is wrong."""
+    return parse_part(_read_file(Path(path)), str(path), allowed_globals)
+
+
+def verify_part(data: bytearray, where: str) -> None:
+    """Raise ``CorruptCheckpointError`` unless ``data`` is a complete, intact part."""
+    _check(data, where)
+
+
+def parse_part(data: bytearray, where: str, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
+    """(state, tensors) of a part held in memory, verified. The tensors are views of ``data``."""
+    table = _check(data, where)
+    offset, length, _ = table["state"]
+    state = _unpickle_state(bytes(memoryview(data)[offset : offset + length]), where, allowed_globals)
+    tensors = []
+    for dtype_name, shape, offset, nbytes, _ in table["tensors"]:
+        dtype = getattr(torch, dtype_name)
+        if nbytes == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
+        tensors.append(flat.view(dtype).view(shape))
+    return state, tensors
+
+
+def _read_file(path: Path) -> bytearray:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        view = memoryview(data)
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != size:
+        raise CorruptCheckpointError(f"local checkpoint part {path} shrank while read ({got} of {size} bytes)")
+    return data
+
+
+def _check(data: bytearray, where: str) -> Dict[str, Any]:
+    """The table of a part after verifying the framing, the table and every byte it covers."""
+    what = f"local checkpoint part {where}"
+    size = len(data)
+    if size < _PREAMBLE.size + _TRAILER.size:
+        raise CorruptCheckpointError(f"{what} is truncated ({size} bytes)")
+    magic, version, _ = _PREAMBLE.unpack_from(data, 0)
+    table_offset, table_len, table_digest, tail = _TRAILER.unpack_from(data, size - _TRAILER.size)
+    if magic != MAGIC or tail != MAGIC:
+        raise CorruptCheckpointError(f"{what} is not a complete dist_ckpt local part (truncated or overwritten)")
+    if version != VERSION:
+        raise CorruptCheckpointError(f"{what} has format version {version}; this dist_ckpt reads {VERSION}")
+    if table_offset + table_len != size - _TRAILER.size:
+        raise CorruptCheckpointError(f"{what} has an inconsistent trailer")
+    raw_table = memoryview(data)[table_offset : table_offset + table_len]
+    if int(hash_bytes(raw_table), 16) != table_digest:
+        raise CorruptCheckpointError(f"{what}: its table fails its checksum")
+    try:
+        table = json.loads(bytes(raw_table))
+        ranges = [("the state", *table["state"])]
+        ranges += [(f"tensor {i}", *entry[2:]) for i, entry in enumerate(table["tensors"])]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f"{what}: its table cannot be read ({e})") from None
+    for name, offset, length, digest in ranges:
+        if offset < _PREAMBLE.size or offset + length > table_offset:
+            raise CorruptCheckpointError(f"{what}: {name} lies outside the data")
+        if hash_bytes(memoryview(data)[offset : offset + length]) != digest:
+            raise CorruptCheckpointError(f"{what}: {name} ({length} bytes at offset {offset}) fails its checksum")
+    return table
+
+
+def _unpickle_state(state_bytes: bytes, where: str, allowed_globals: Iterable[Any]) -> Any:
+    return safe_torch_load(state_bytes, what=f"the state in local checkpoint part {where}",
+                           extra_globals=allowed_globals)
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def remove_part(path: Path) -> None:
+    """Remove a part (or its ``.dirty`` file); gone already is fine."""
+    _unlink_quietly(Path(path))
+
+
+class PartReceiver:
+    """A part arriving in pieces (from a peer): written to ``.dirty`` exclusively, renamed into
+    place only when every byte arrived and the digest over them equals the sender's."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.path = Path(path)
+        self.size = size
+        self._dirty = self.path.with_name(self.path.name + DIRTY_SUFFIX)
+        if self.path.exists():
+            raise CheckpointExistsError(f"local checkpoint part {self.path} already exists; it is not overwritten")
+        try:
+            self._file = open(self._dirty, "xb")
+        except FileExistsError:
+            raise CheckpointExistsError(f"{self._dirty} exists: another copy of this part is being received") from None
+        self._hasher = new_hasher()
+        self._received = 0
+
+    def write(self, chunk: memoryview) -> None:
+        self._file.write(chunk)
+        self._hasher.update(chunk)
+        self._received += len(chunk)
+
+    def finish(self, digest: int) -> bool:
+        """Rename into place if complete and intact; otherwise remove it. True if kept."""
+        self._file.close()
+        if self._received == self.size and self._hasher.intdigest() == digest:
+            os.rename(self._dirty, self.path)
+            return True
+        _unlink_quietly(self._dirty)
+        return False
+
+    def abort(self) -> None:
+        self._file.close()
+        _unlink_quietly(self._dirty)
+
+
+def iter_chunks(data: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    for start in range(0, len(data), chunk_bytes):
+        yield data[start : start + chunk_bytes]
+

@@ -1,0 +1,306 @@
+"""The local checkpoint tier (issue 21): part files that verify every byte, the clique rule,
+``MCoreTensorAwareStateDict``, and ``LocalCheckpointManager`` on real gloo process groups - saves
+replicated to peers, restarts from a rank's own copy or a peer's, damaged and missing parts,
+a save that fails on one rank, 4 ranks as 2 "nodes" losing a node or a whole clique.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+
+from dist_ckpt import ShardedObject, ShardedTensor
+from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, UnsafePickleError
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.local import NoReplicasAvailableError, ReplicationConfigError, parse_group_sequence
+from dist_ckpt.storage.local_parts import read_part, write_part
+
+# -- part files ----------------------------------------------------------------------------------------
+
+
+def _tensors():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 5, generator=gen), torch.arange(7, dtype=torch.int64), torch.empty(0, 4),
+            torch.randn(9, generator=gen).to(torch.bfloat16), torch.randn(6, 6, generator=gen)[:, 1:4],
+            torch.tensor([True, False, True])]
+
+
+def test_part_round_trip_is_bit_exact(tmp_path):
+    tensors = _tensors()
+    part = write_part(tmp_path / "p.pt", {"step": 3, "extra": torch.ones(2)}, tensors)
+    assert part.size == (tmp_path / "p.pt").stat().st_size
+    assert not list(tmp_path.glob("*.dirty"))
+    state, loaded = read_part(tmp_path / "p.pt")
+    assert state["step"] == 3 and torch.equal(state["extra"], torch.ones(2))
+    assert len(loaded) == len(tensors)
+    for original, back in zip(tensors, loaded):
+        assert back.dtype == original.dtype and back.shape == original.shape
+        assert tensors_bitwise_equal(back, original.contiguous())
+
+
+def test_every_damaged_byte_is_found(tmp_path):
+    """A flipped bit anywhere (preamble, tensor data, padding excepted, state, table, trailer)
+    and a file cut short are CorruptCheckpointError, never values."""
+    write_part(tmp_path / "p.pt", {"step": 3}, _tensors())
+    good = (tmp_path / "p.pt").read_bytes()
+    state, tensors = read_part(tmp_path / "p.pt")
+    covered = 0
+    for position in range(0, len(good)):
+        damaged = bytearray(good)
+        damaged[position] ^= 0x10
+        (tmp_path / "d.pt").write_bytes(damaged)
+        try:
+            state2, tensors2 = read_part(tmp_path / "d.pt")
+        except CorruptCheckpointError as e:
+            assert "d.pt" in str(e)
+            covered += 1
+            continue
+        # only alignment padding may change without notice, and then nothing read changes
+        assert state2 == state and all(tensors_bitwise_equal(a, b) for a, b in zip(tensors, tensors2)), position
+    assert covered > 0.9 * len(good)
+    for cut in (0, 10, len(good) // 2, len(good) - 1):
+        (tmp_path / "t.pt").write_bytes(good[:cut])
+        with pytest.raises(CorruptCheckpointError, match="t.pt"):
+            read_part(tmp_path / "t.pt")
+
+
+def test_parts_are_written_once_and_unpickled_safely(tmp_path):
+    write_part(tmp_path / "p.pt", {}, [torch.ones(1)])
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        write_part(tmp_path / "p.pt", {}, [torch.zeros(1)])
+    (tmp_path / "q.pt.dirty").write_bytes(b"a save in progress")
+    with pytest.raises(CheckpointExistsError, match="in progress"):
+        write_part(tmp_path / "q.pt", {}, [torch.zeros(1)])
+    assert read_part(tmp_path / "p.pt")[1][0].item() == 1.0
+    write_part(tmp_path / "evil.pt", {"x": _NotAllowed()}, [])
+    with pytest.raises(UnsafePickleError, match="_NotAllowed"):
+        read_part(tmp_path / "evil.pt")
+    assert isinstance(read_part(tmp_path / "evil.pt", allowed_globals=[_NotAllowed])[0]["x"], _NotAllowed)
+
+
+class _NotAllowed:
+    pass
+
+
+# -- the clique rule -----------------------------------------------------------------------------------
+
+
+def test_clique_rule_matches_nvrx_examples_and_refuses_what_does_not_divide():
+    assert parse_group_sequence(8, 2, 32) == sorted([[i, i + 8] for i in range(8)] + [[i, i + 8] for i in range(16, 24)])
+    assert parse_group_sequence(1, 2, 4) == [[0, 1], [2, 3]]
+    assert parse_group_sequence(2, 2, 4) == [[0, 2], [1, 3]]
+    assert parse_group_sequence(2, 3, 12) == [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]  # irregular: 3 nodes
+    assert parse_group_sequence(3, 1, 6) == [[0], [1], [2], [3], [4], [5]]  # no copies
+    assert parse_group_sequence(4, 2, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ReplicationConfigError, match="multiple of replication_jump \\* replication_factor = 4"):
+        parse_group_sequence(2, 2, 6)
+    with pytest.raises(ReplicationConfigError, match="replication_jump must be >= 1"):
+        parse_group_sequence(0, 2, 4)
+    with pytest.raises(ReplicationConfigError, match="replication_factor must be >= 1"):
+        parse_group_sequence(1, 0, 4)
+
+
+# -- MCoreTensorAwareStateDict and the manager on real process groups --------------------------------
+
+
+def _state(rank: int, world: int, value: int) -> dict:
+    """A TP-split tensor, a tensor replicated on every rank, an object per rank, common state."""
+    gen = torch.Generator().manual_seed(1000 * value + rank)
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.randn(4, 3, generator=gen), (0, rank, world)),
+        "shared": ShardedTensor.from_rank_offsets("shared", torch.full((5,), float(value)).bfloat16(),
+                                                  replica_id=rank),
+        "obj": ShardedObject("obj", {"rank": rank, "value": value}, (world,), (rank,)),
+        "step": value,
+    }
+
+
+def _request(rank: int, world: int) -> dict:
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3), (0, rank, world)),
+        "shared": ShardedTensor.from_rank_offsets("shared", torch.zeros(5).bfloat16(), replica_id=rank),
+        "obj": ShardedObject("obj", None, (world,), (rank,)),
+    }
+
+
+def _check_restored(loaded: dict, rank: int, world: int, value: int) -> None:
+    expected = _state(rank, world, value)
+    assert tensors_bitwise_equal(loaded["w"], expected["w"].data)
+    assert tensors_bitwise_equal(loaded["shared"], expected["shared"].data)
+    assert loaded["obj"] == {"rank": rank, "value": value}
+    assert loaded["step"] == value
+
+
+def _tasd(rank: int, world: int, value: int, algo: str):
+    from dist_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    return MCoreTensorAwareStateDict.from_state_dict(_state(rank, world, value), algo=algo)[0]
+
+
+def _restore(root: str, rank: int, world: int, repl, algo: str = "atomic"):
+    from dist_ckpt.local import LocalCheckpointManager
+
+    manager = LocalCheckpointManager(root, session_id="job", repl_strategy=repl)
+    iteration = manager.find_latest()
+    if iteration == -1:
+        return iteration, None
+    state, ckpt_id = manager.load()
+    assert ckpt_id == (iteration, rank, "job")
+    return iteration, state.to_state_dict(_request(rank, world), algo=algo)
+
+
+def _two_ranks(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from dist_ckpt.local import CliqueReplicationStrategy, LocalCheckpointManager
+    from dist_ckpt.strategies.async_utils import AsyncCallsQueue
+
+    seen: dict = {}
+    with pytest.raises(ReplicationConfigError, match="must be a multiple"):
+        CliqueReplicationStrategy.from_replication_params(1, 3)  # 2 ranks cannot hold cliques of 3
+    repl = CliqueReplicationStrategy.from_replication_params(replication_jump=1, replication_factor=2)
+    assert repl.ranks == [0, 1]
+
+    # the hollow round trip: pop, pickle-free metadata, insert
+    tasd = _tasd(rank, world, 1, "fully_parallel")
+    kept = list(tasd.tensors)
+    seen["fully_parallel_tensors"] = len(kept)  # "shared" is kept by one rank of the two
+    popped = tasd.pop_tensors()
+    assert tasd.is_hollow and all(t is p for t, p in zip(kept, popped))
+    with pytest.raises(CheckpointingException, match="popped"):
+        tasd.pop_tensors()
+    tasd.insert_tensors(popped)
+    assert not tasd.is_hollow
+
+    manager = LocalCheckpointManager(f"{root}/local", session_id="job", repl_strategy=repl)
+    assert manager.find_latest() == -1
+    for value in (1, 2):
+        manager.save(_tasd(rank, world, value, "fully_parallel"), value)
+    seen["after_sync_saves"] = sorted(p.name for p in manager.local_ckpt_dir.iterdir())
+    queue = AsyncCallsQueue()
+    # two asynchronous saves in flight at once: their transfers run in order on every rank
+    queue.schedule_async_request(manager.save(_tasd(rank, world, 3, "atomic"), 3, is_async=True))
+    queue.schedule_async_request(manager.save(_tasd(rank, world, 4, "atomic"), 4, is_async=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    seen["after_async_saves"] = sorted(p.name for p in manager.local_ckpt_dir.iterdir())
+    assert manager.find_latest() == 4
+    with pytest.raises(CheckpointingException, match="newer checkpoint"):
+        manager.save(_tasd(rank, world, 4, "atomic"), 4)
+
+    # restart: own copies
+    iteration, loaded = _restore(f"{root}/local", rank, world, repl)
+    assert iteration == 4
+    _check_restored(loaded, rank, world, 4)
+    mine = manager._local_ckpt_path_from_id(manager._ckpt_id(4))
+
+    # restart after rank 1 lost its own part: from rank 0's copy
+    if rank == 1:
+        mine.unlink()
+    dist.barrier()
+    iteration, loaded = _restore(f"{root}/local", rank, world, repl)
+    assert iteration == 4
+    _check_restored(loaded, rank, world, 4)
+
+    # without replication the copy does not count: nothing complete
+    assert _restore(f"{root}/local", rank, world, None)[0] == -1
+
+    # a byte flipped in rank 0's own part: treated as missing, rank 1's copy is used
+    if rank == 0:
+        data = bytearray(mine.read_bytes())
+        data[100] ^= 1
+        mine.write_bytes(data)
+    dist.barrier()
+    iteration, loaded = _restore(f"{root}/local", rank, world, repl)
+    _check_restored(loaded, rank, world, 4)
+
+    # and when rank 1's copy of rank 0's part is damaged too: every rank says so
+    if rank == 1:
+        copy = manager._local_ckpt_path_from_id((4, 0, "job"))
+        data = bytearray(copy.read_bytes())
+        data[-40] ^= 1
+        copy.write_bytes(data)
+    dist.barrier()
+    with pytest.raises(NoReplicasAvailableError, match=r"no verified part for rank\(s\) \[0\]"):
+        _restore(f"{root}/local", rank, world, repl)
+
+    # a save that fails on rank 1 (its part exists already): raised on every rank, nothing of
+    # iteration 5 kept anywhere, iteration 4 untouched
+    manager = LocalCheckpointManager(f"{root}/fresh", session_id="job", repl_strategy=repl)
+    manager.find_latest()
+    manager.save(_tasd(rank, world, 4, "atomic"), 4)
+    if rank == 1:
+        manager._local_ckpt_path_from_id((5, 1, "job"), is_dirty=True).write_bytes(b"x")
+    dist.barrier()
+    with pytest.raises(CheckpointingException, match="already exists on the same machine"):
+        manager.save(_tasd(rank, world, 5, "atomic"), 5)
+    seen["after_failed_save"] = sorted(p.name for p in manager.local_ckpt_dir.iterdir())
+    iteration, loaded = _restore(f"{root}/fresh", rank, world, repl)
+    assert iteration == 4
+    _check_restored(loaded, rank, world, 4)
+
+    # saving the same state again writes the same bytes
+    again = LocalCheckpointManager(f"{root}/again", session_id="job", repl_strategy=repl)
+    again.save(_tasd(rank, world, 4, "atomic"), 4)
+    first = manager._local_ckpt_path_from_id(manager._ckpt_id(4)).read_bytes()
+    seen["identical_resave"] = first == again._local_ckpt_path_from_id(again._ckpt_id(4)).read_bytes()
+    return seen
+
+
+@pytest.mark.slow
+def test_local_tier_on_two_ranks(tmp_path):
+    results = run_distributed(_two_ranks, 2, str(tmp_path))
+    for rank, seen in enumerate(results):
+        # only the newest complete iteration is kept: this rank's part and its peer's copy
+        assert seen["after_sync_saves"] == ["iter_0000002_0_local.pt", "iter_0000002_1_local.pt"]
+        assert seen["after_async_saves"] == ["iter_0000004_0_local.pt", "iter_0000004_1_local.pt"]
+        assert seen["after_failed_save"] == ["iter_0000004_0_local.pt", "iter_0000004_1_local.pt"]
+        assert seen["identical_resave"]
+    # the replicated tensor is kept once over both ranks
+    assert sorted(r["fully_parallel_tensors"] for r in results) == [1, 2]
+
+
+def _four_ranks(rank: int, world: int, root: str) -> dict:
+    """Ranks {0, 1} are node 0 and {2, 3} node 1 (jump 2): cliques [0, 2] and [1, 3]."""
+    import torch.distributed as dist
+
+    from dist_ckpt.local import CliqueReplicationStrategy, LocalCheckpointManager
+
+    repl = CliqueReplicationStrategy.from_replication_params(replication_jump=2, replication_factor=2)
+    manager = LocalCheckpointManager(f"{root}/local", session_id="job", repl_strategy=repl)
+    manager.save(_tasd(rank, world, 7, "atomic"), 7)
+    seen = {"clique": repl.ranks, "files": sorted(p.name for p in manager.local_ckpt_dir.iterdir())}
+
+    def wipe(ranks) -> None:
+        if rank in ranks:
+            shutil.rmtree(manager.local_ckpt_dir)
+        dist.barrier()
+
+    backup = f"{root}/backup_{rank}"
+    shutil.copytree(manager.local_ckpt_dir, backup)
+    wipe({2, 3})  # node 1 lost: its ranks restore from node 0's copies
+    iteration, loaded = _restore(f"{root}/local", rank, world, repl)
+    assert iteration == 7
+    _check_restored(loaded, rank, world, 7)
+
+    shutil.rmtree(manager.local_ckpt_dir, ignore_errors=True)
+    shutil.copytree(backup, manager.local_ckpt_dir)
+    dist.barrier()
+    wipe({0, 2})  # a whole clique lost: rank 0's and rank 2's parts exist nowhere
+    seen["after_clique_loss"] = _restore(f"{root}/local", rank, world, repl)[0]
+    return seen
+
+
+@pytest.mark.slow
+def test_local_tier_on_two_nodes_of_two_ranks(tmp_path):
+    results = run_distributed(_four_ranks, 4, str(tmp_path))
+    assert [r["clique"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for rank, seen in enumerate(results):
+        peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
+        assert seen["files"] == sorted([f"iter_0000007_{rank}_local.pt", f"iter_0000007_{peer}_local.pt"])
+        assert seen["after_clique_loss"] == -1  # no complete local iteration: the persistent tier's turn
