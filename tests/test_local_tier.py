@@ -6,19 +6,17 @@ a save that fails on one rank, 4 ranks as 2 "nodes" losing a node or a whole cli
 
 from __future__ import annotations
 
-import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from dist_helpers import run_distributed
 
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, UnsafePickleError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.local import NoReplicasAvailableError, ReplicationConfigError, parse_group_sequence
 from dist_ckpt.storage.local_parts import read_part, write_part
+from dist_helpers import run_distributed
 
 # -- part files ----------------------------------------------------------------------------------------
 
