@@ -25,6 +25,14 @@ A save that fails (on any rank: every rank gets the same error) leaves the track
 with ``on_error="warn"`` it is logged once on every rank, the request is dropped, and training
 goes on; the next ``save`` tries again.
 
+With a local tier (``local_dir``, ``local_every``, ``persistent_every``): ``save`` is called every
+step; steps that ``persistent_every`` divides are saved to ``root`` as above, other steps that
+``local_every`` divides go to ``local_dir`` only (``dist_ckpt.local``: each rank's part on
+node-local storage or tmpfs, copied to ``local_replication_factor - 1`` peers, no shared-storage
+traffic), other steps are not saved. ``load()`` then resumes from the newest step of either tier:
+the local one when it is newer than what the tracker names and every rank's part verifies (own
+copy or a peer's), else the persistent candidates below.
+
 ``load(step=None)`` resumes from the step the tracker names (Megatron-LM's rule: the tracker is
 authoritative), then, if that checkpoint is missing, incomplete or fails its checksums, from
 the other committed ones, last committed first. One rank (the coordinator) reads the tracker and
@@ -42,6 +50,9 @@ from pathlib import Path
 from typing import Any, List, Optional, Tuple, Union
 
 from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
+from .integrity.manifest import hash_bytes
+from .local.local_tier import LocalTier
+from .local.replication import NoReplicasAvailableError
 from .mapping import ShardedStateDict, StateDict
 from .runtime.collectives import DistWrapper
 from .serialization import load, save
@@ -109,13 +120,26 @@ class CheckpointManager:
             many are in flight, raises ``PendingSaveError``.
         storage_options: for a URL root: fsspec options (endpoint, credentials, the deadline),
             for the root's own files and every save and load.
+        local_dir: the local tier's root (node-local disk, or ``/dev/shm/...``: memory that
+            survives the training processes); None: no local tier.
+        local_every: with ``local_dir``: save locally at the steps this divides.
+        persistent_every: save to ``root`` only at the steps this divides (None: at every
+            ``save``; required with a local tier, whose steps are the others).
+        local_replication_factor: ranks holding each local part (1: only its own rank); the
+            copies go to the ranks ``local_replication_jump`` apart (default: the ranks per
+            node, so copies sit on other nodes).
+        local_session: names this run's parts in ``local_dir`` (default: derived from ``root``,
+            so another run sharing ``local_dir`` never resumes from this one's parts).
         save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
     """
 
     def __init__(self, root: Union[str, os.PathLike], keep_last: Optional[int] = 3, keep_every: Optional[int] = None,
                  async_save: bool = True, sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
                  on_error: str = "raise", max_pending: Optional[int] = None,
-                 storage_options: Optional[dict] = None, **save_kwargs: Any) -> None:
+                 storage_options: Optional[dict] = None, local_dir: Union[str, os.PathLike, None] = None,
+                 local_every: Optional[int] = None, persistent_every: Optional[int] = None,
+                 local_replication_factor: int = 1, local_replication_jump: Optional[int] = None,
+                 local_session: Optional[str] = None, **save_kwargs: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if keep_last is not None and keep_last < 1:
@@ -140,12 +164,25 @@ class CheckpointManager:
         self.failed_steps: List[Step] = []  # saves that failed (on_error="warn")
         self.loaded_step: Optional[Step] = None  # the step the last load() loaded
         self._resumed_from: Optional[Step] = None  # kept by retention until a save of this run commits
+        self.loaded_tier: Optional[str] = None  # "local" or "persistent": where the last load() came from
+        self.persistent_every = _positive_or_none("persistent_every", persistent_every)
+        self.local_every = _positive_or_none("local_every", local_every)
+        self.local: Optional[LocalTier] = None
+        if local_dir is not None:
+            if self.local_every is None or self.persistent_every is None:
+                raise ValueError("a local tier needs local_every (its steps) and persistent_every (the steps "
+                                 "saved to root; the local tier takes the others)")
+            session = local_session if local_session is not None else _session_of(str(self.root))
+            self.local = LocalTier(local_dir, session, local_replication_factor, local_replication_jump)
 
     # -- saving ------------------------------------------------------------------------------
 
     def save(self, step: Step, sharded_state_dict: ShardedStateDict, blocking: bool = False) -> None:
         """Start a checkpoint of ``step`` (collective). With ``blocking`` (or without
         ``async_save``) it returns only when the checkpoint, tracker and retention are done."""
+        tier = self._tier_of(step)
+        if tier is None:
+            return
         name = checkpoint_dir_name(step)
         if self._pending:
             if self.max_pending is None:
@@ -153,8 +190,11 @@ class CheckpointManager:
             elif len(self._pending) >= self.max_pending:
                 raise PendingSaveError(f"step {self._pending[0]}'s save is still in flight ({len(self._pending)} "
                                        f"pending, max_pending={self.max_pending}); call maybe_finalize() or wait()")
-        target = self.location.checkpoint(name)
         use_async = self.async_save and not blocking
+        if tier == "local":
+            self._save_local(step, sharded_state_dict, use_async)
+            return
+        target = self.location.checkpoint(name)
         try:
             self._record_save_start(name)
             request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
@@ -172,6 +212,24 @@ class CheckpointManager:
         self._schedule(step, request)
         if blocking:
             self.wait()
+
+    def _tier_of(self, step: Step) -> Optional[str]:
+        """Where ``save(step)`` goes: "persistent", "local" or None (not saved at this step)."""
+        if self.persistent_every is None or step == RELEASE or step % self.persistent_every == 0:
+            return "persistent"
+        if self.local is not None and self.local_every is not None and step % self.local_every == 0:
+            return "local"
+        return None
+
+    def _save_local(self, step: Step, sharded_state_dict: ShardedStateDict, use_async: bool) -> None:
+        assert self.local is not None and isinstance(step, int)
+        try:
+            request = self.local.save(step, sharded_state_dict, use_async)
+        except Exception as e:  # every rank raises the same error
+            self._failed(step, e)
+            return
+        if request is not None:
+            self._schedule(step, request)
 
     def _storage_kwargs(self) -> dict:
         return {} if self.storage_options is None else {"storage_options": self.storage_options}
@@ -322,7 +380,21 @@ class CheckpointManager:
             self._loaded(step)
             return result  # type: ignore[return-value]
         failures = []
-        for candidate in self._coordinators_candidates():
+        candidates = self._coordinators_candidates()
+        if self.local is not None:
+            local_step = self.local.find_latest()
+            newest_persistent = max((c for c in candidates if isinstance(c, int)), default=-1)
+            if local_step > newest_persistent:
+                try:
+                    result = self.local.load(sharded_state_dict)
+                except NoReplicasAvailableError as e:  # raised on every rank: all fall back together
+                    logger.warning("cannot restore local step %s (%s); trying the persistent checkpoints",
+                                   local_step, e)
+                    failures.append(f"local step {local_step}: {e}")
+                else:
+                    self.loaded_step, self.loaded_tier = local_step, "local"
+                    return result
+        for candidate in candidates:
             name = checkpoint_dir_name(candidate)
             directory = self.location.checkpoint(name)
             outcome: Any = None
@@ -353,7 +425,10 @@ class CheckpointManager:
 
     def _loaded(self, step: Step) -> None:
         self.loaded_step = step
+        self.loaded_tier = "persistent"
         self._resumed_from = step
+        if self.local is not None and isinstance(step, int):
+            self.local.discard_newer_than(step)  # a newer local step belongs to a branch this run left
 
     def close(self) -> None:
         """Wait for pending saves and stop the background writer."""
@@ -368,3 +443,15 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+def _positive_or_none(name: str, value: Optional[int]) -> Optional[int]:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
+
+
+def _session_of(root: str) -> str:
+    """A local session name unique to the run's root (readable prefix, hash of the whole)."""
+    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rstrip("/").rsplit("/", 1)[-1])[:40] or "run"
+    return f"{tail}-{hash_bytes(root.encode())[:12]}"

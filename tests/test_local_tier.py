@@ -6,6 +6,7 @@ a save that fails on one rank, 4 ranks as 2 "nodes" losing a node or a whole cli
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -302,3 +303,81 @@ def test_local_tier_on_two_nodes_of_two_ranks(tmp_path):
         peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
         assert seen["files"] == sorted([f"iter_0000007_{rank}_local.pt", f"iter_0000007_{peer}_local.pt"])
         assert seen["after_clique_loss"] == -1  # no complete local iteration: the persistent tier's turn
+
+
+# -- CheckpointManager with a local tier ----------------------------------------------------------------
+
+
+def _manager(root: str, shm: str):
+    from dist_ckpt import CheckpointManager
+
+    return CheckpointManager(f"{root}/persistent", keep_last=2, async_save=True, local_dir=shm, local_every=1,
+                             persistent_every=4, local_replication_factor=2, local_replication_jump=1)
+
+
+def _train_then_die(rank: int, world: int, root: str, shm: str) -> None:
+    import signal
+
+    manager = _manager(root, shm)
+    for step in range(1, 7):  # 4 persistent, the others local
+        manager.save(step, _state(rank, world, step))
+        manager.maybe_finalize()
+    manager.wait()
+    os.kill(os.getpid(), signal.SIGKILL)  # every rank dies, nothing is closed or flushed
+
+
+def _resume(rank: int, world: int, root: str, shm: str) -> dict:
+    import torch.distributed as dist
+
+    manager = _manager(root, shm)
+    seen = {}
+    request = _request(rank, world)
+    loaded = manager.load(request)
+    seen["first"] = (manager.loaded_step, manager.loaded_tier)
+    _check_restored(loaded, rank, world, 6)
+    assert loaded["w"] is request["w"].data  # loaded in place, as from the persistent tier
+
+    # both copies of rank 0's part damaged: every rank falls back to the persistent step 4,
+    # and the local step 6 of the abandoned branch is gone
+    local = manager.local.manager
+    for owner in (0,):
+        path = local._local_ckpt_path_from_id((6, owner, local.session_id))
+        data = bytearray(path.read_bytes())
+        data[len(data) // 3] ^= 4
+        path.write_bytes(data)
+    dist.barrier()
+    loaded = manager.load(_request(rank, world))
+    seen["after_damage"] = (manager.loaded_step, manager.loaded_tier)
+    _check_restored(loaded, rank, world, 4)
+    seen["local_files_after_fallback"] = sorted(p.name for p in local.local_ckpt_dir.iterdir())
+
+    # training goes on from 4: step 5 saves locally (not refused as older than 6) and resumes
+    manager.save(5, _state(rank, world, 50))
+    manager.wait()
+    again = _manager(root, shm)
+    loaded = again.load(_request(rank, world))
+    seen["after_new_branch"] = (again.loaded_step, again.loaded_tier)
+    _check_restored(loaded, rank, world, 50)
+    manager.close()
+    again.close()
+    return seen
+
+
+@pytest.mark.slow
+def test_manager_resumes_from_tmpfs_after_every_rank_was_killed(tmp_path):
+    from dist_ckpt.runtime.launch import run_processes
+
+    shm = f"/dev/shm/dist_ckpt_test_{os.getpid()}_{tmp_path.name}"
+    try:
+        outcomes = run_processes(_train_then_die, 2, str(tmp_path), shm, deadline_s=300)
+        assert [o.exitcode for o in outcomes] == [-9, -9]
+        results = run_distributed(_resume, 2, str(tmp_path), shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    for seen in results:
+        assert seen["first"] == (6, "local")
+        assert seen["after_damage"] == (4, "persistent")
+        assert seen["local_files_after_fallback"] == []
+        assert seen["after_new_branch"] == (5, "local")
+    persistent = os.listdir(tmp_path / "persistent")
+    assert "iter_0000004" in persistent and not any(n.startswith("iter_") and n != "iter_0000004" for n in persistent)

@@ -288,6 +288,13 @@ class LocalCheckpointManager:
             if it < iteration:
                 remove_part(path)
 
+    def _cleanup_newer_than(self, iteration: int) -> None:
+        """Remove every part here of iterations after ``iteration`` (a run that resumed from
+        ``iteration`` must never resume from them later)."""
+        for it, path in self._parts():
+            if it > iteration:
+                remove_part(path)
+
     def _cleanup_failed_save(self, iteration: int) -> None:
         """Remove every part of ``iteration`` here (a save that did not complete everywhere)."""
         for it, path in self._parts():
