@@ -268,30 +268,37 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     """Ranks {0, 1} are node 0 and {2, 3} node 1 (jump 2): cliques [0, 2] and [1, 3]."""
     import torch.distributed as dist
 
-    from dist_ckpt.local import CliqueReplicationStrategy, LocalCheckpointManager
+    from dist_ckpt import CheckpointManager
 
-    repl = CliqueReplicationStrategy.from_replication_params(replication_jump=2, replication_factor=2)
-    manager = LocalCheckpointManager(f"{root}/local", session_id="job", repl_strategy=repl)
-    manager.save(_tasd(rank, world, 7, "atomic"), 7)
-    seen = {"clique": repl.ranks, "files": sorted(p.name for p in manager.local_ckpt_dir.iterdir())}
+    def manager():
+        return CheckpointManager(f"{root}/persistent", async_save=False, local_dir=f"{root}/local", local_every=1,
+                                 persistent_every=2, local_replication_factor=2, local_replication_jump=2)
+
+    first = manager()
+    for step in (1, 2, 3):  # 2 persistent, 1 and 3 local
+        first.save(step, _state(rank, world, step))
+    local = first.local.manager
+    seen = {"clique": local.repl_strategy.ranks, "files": sorted(p.name for p in local.local_ckpt_dir.iterdir())}
+    backup = f"{root}/backup_{rank}"
+    shutil.copytree(local.local_ckpt_dir, backup)
 
     def wipe(ranks) -> None:
         if rank in ranks:
-            shutil.rmtree(manager.local_ckpt_dir)
+            shutil.rmtree(local.local_ckpt_dir)
         dist.barrier()
 
-    backup = f"{root}/backup_{rank}"
-    shutil.copytree(manager.local_ckpt_dir, backup)
     wipe({2, 3})  # node 1 lost: its ranks restore from node 0's copies
-    iteration, loaded = _restore(f"{root}/local", rank, world, repl)
-    assert iteration == 7
-    _check_restored(loaded, rank, world, 7)
+    again = manager()
+    _check_restored(again.load(_request(rank, world)), rank, world, 3)
+    seen["after_node_loss"] = (again.loaded_step, again.loaded_tier)
 
-    shutil.rmtree(manager.local_ckpt_dir, ignore_errors=True)
-    shutil.copytree(backup, manager.local_ckpt_dir)
+    shutil.rmtree(local.local_ckpt_dir, ignore_errors=True)
+    shutil.copytree(backup, local.local_ckpt_dir)
     dist.barrier()
     wipe({0, 2})  # a whole clique lost: rank 0's and rank 2's parts exist nowhere
-    seen["after_clique_loss"] = _restore(f"{root}/local", rank, world, repl)[0]
+    again = manager()
+    _check_restored(again.load(_request(rank, world)), rank, world, 2)
+    seen["after_clique_loss"] = (again.loaded_step, again.loaded_tier)
     return seen
 
 
@@ -301,8 +308,9 @@ def test_local_tier_on_two_nodes_of_two_ranks(tmp_path):
     assert [r["clique"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     for rank, seen in enumerate(results):
         peer = {0: 2, 1: 3, 2: 0, 3: 1}[rank]
-        assert seen["files"] == sorted([f"iter_0000007_{rank}_local.pt", f"iter_0000007_{peer}_local.pt"])
-        assert seen["after_clique_loss"] == -1  # no complete local iteration: the persistent tier's turn
+        assert seen["files"] == sorted([f"iter_0000003_{rank}_local.pt", f"iter_0000003_{peer}_local.pt"])
+        assert seen["after_node_loss"] == (3, "local")  # from the copies on the other node, bit-exact
+        assert seen["after_clique_loss"] == (2, "persistent")  # no complete local step: the persistent tier
 
 
 # -- CheckpointManager with a local tier ----------------------------------------------------------------
