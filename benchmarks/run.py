@@ -25,6 +25,9 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   thread per rank) slows while the write runs (against the same steps right
                   after the save, with nothing running), and the extra memory; the staging buffers are reused
                   from the previous save, as in a training run;
+  local tier      (--local-ranks 2,4) CheckpointManager with local_dir on tmpfs and copies on a
+                  peer: async save blocked/total per tier, restore from the local tier (own
+                  copy; one node's copies wiped) vs the persistent checkpoint (cold cache);
   small_*         N tensors of 4 KiB per rank (--small 1000,20000,...): save and load seconds,
                   dist_ckpt and Megatron-Core (the latter up to 20,000).
 
@@ -381,6 +384,79 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
+def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat: int) -> Times:
+    """The local tier (CheckpointManager with local_dir on tmpfs, copies on a peer) against the
+    persistent tier, same state, same run: async save blocked and total time of each tier;
+    restore from the local tier (own copy; and with one node's copies wiped, from the peers')
+    against a cold-cache restore of the persistent checkpoint."""
+    state = model_state(size_mib, rank, world)
+    jump = 1 if world == 2 else 2  # 4 ranks: 2 "nodes" of 2, copies on the other node
+    node_lost = set(range(world // 2, world)) if world > 2 else {1}
+    times: Times = {}
+    tool = f"local tier ({world} ranks)"
+
+    def request() -> dict:  # a model's tensors: allocated and touched before the restore
+        return _sharded({k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}, rank, world)
+
+    for r in range(repeat + 1):  # round 0: warm-up, discarded
+        persist, local = Path(root) / f"tiers-{world}-{r}", f"{shm}/{world}-{r}"
+
+        def manager() -> Any:
+            return dist_ckpt.CheckpointManager(persist, keep_last=None, async_save=True, local_dir=local,
+                                               local_every=1, persistent_every=2, local_replication_factor=2,
+                                               local_replication_jump=jump)
+
+        mgr = manager()
+        phases = {}
+        for step, tier in ((2, "persistent"), (3, "local")):
+            sharded = _sharded(state, rank, world)
+            dist.barrier()
+            start = time.perf_counter()
+            mgr.save(step, sharded)
+            phases[f"{tier}_save_blocked"] = time.perf_counter() - start
+            mgr.wait()
+            dist.barrier()
+            phases[f"{tier}_save_total"] = time.perf_counter() - start
+        mgr.close()
+        if rank == 0:
+            _drop_cache(persist)
+        target = request()
+        phases["restore_persistent"] = _timed(lambda: dist_ckpt.load(target, persist / "iter_0000002"))
+        fresh, target = manager(), request()
+        phases["restore_local_own"] = _timed(lambda: fresh.load(target))
+        assert fresh.loaded_tier == "local", fresh.loaded_tier
+        if rank in node_lost:
+            shutil.rmtree(fresh.local.manager.local_ckpt_dir)
+        dist.barrier()
+        fresh, target = manager(), request()
+        phases["restore_local_replica"] = _timed(lambda: fresh.load(target))
+        assert fresh.loaded_tier == "local", fresh.loaded_tier
+        fresh.close()
+        if r > 0:
+            for phase, value in phases.items():
+                _add(times, tool, phase, value)
+        dist.barrier()
+        if rank == 0:
+            _remove(persist)
+            shutil.rmtree(local, ignore_errors=True)
+        dist.barrier()
+    return times
+
+
+def _local_ratios(results: Times) -> List[str]:
+    lines = []
+    for tool, phases in results.items():
+        if not tool.startswith("local tier"):
+            continue
+        med = {k: statistics.median(v) for k, v in phases.items()}
+        lines.append(f"{tool}: restore {med['restore_persistent'] / med['restore_local_own']:.1f}x faster from the "
+                     f"local tier (own copy), {med['restore_persistent'] / med['restore_local_replica']:.1f}x with one "
+                     f"node's copies lost, than from the persistent tier (cold cache); async save blocked "
+                     f"{med['local_save_blocked']:.3f} s local vs {med['persistent_save_blocked']:.3f} s persistent, "
+                     f"total {med['local_save_total']:.2f} s vs {med['persistent_save_total']:.2f} s")
+    return lines
+
+
 def _merge(per_rank: List[Times]) -> Times:
     """A phase's value is the slowest (largest) rank's (every phase ends in a barrier)."""
     merged: Times = {}
@@ -447,7 +523,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
-    parser.add_argument("--only", default="main,async,resharded,small", help="which parts to run")
+    parser.add_argument("--only", default="main,async,resharded,small,local", help="which parts to run")
+    parser.add_argument("--local-ranks", default="2,4", help="rank counts of the local-tier comparison")
     parser.add_argument("--async-writer", default="process", choices=["process", "thread"])
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -462,13 +539,23 @@ def main(argv: Optional[List[str]] = None) -> None:
         counts = [int(c) for c in args.small.split(",") if c]
         if counts and "small" in parts:
             _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
+        if "local" in parts:
+            shm = tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            try:
+                for world in (int(w) for w in args.local_ranks.split(",") if w):
+                    _update(results, _merge(run_distributed(_local_job, world, str(root), shm, args.size_mib,
+                                                            args.repeat)))
+            finally:
+                shutil.rmtree(shm, ignore_errors=True)
         nbytes = sum(t.numel() * t.element_size() for w in range(WORLD)
                      for t, _ in model_state(args.size_mib, w, WORLD).values())
         machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
         print(f"{nbytes / 2**30:.2f} GiB over {WORLD} gloo ranks, {args.repeat} repeats (+1 warm-up), {machine}")
         print("seconds, except *_mem (MiB per rank) and async_step_slowdown (fraction)")
         print("\n".join(_table(results, nbytes)))
-        print(_ratios(results))
+        if "dist_ckpt" in results:
+            print(_ratios(results))
+        print("\n".join(_local_ratios(results)))
         if args.json:
             Path(args.json).write_text(json.dumps({"bytes": nbytes, "world": WORLD, "repeat": args.repeat,
                                                    "machine": machine, "results": results}, indent=1))

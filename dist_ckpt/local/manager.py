@@ -32,6 +32,7 @@ from ..mapping import ShardedObject, ShardedTensor
 from ..runtime.collectives import DistWrapper
 from ..storage.local_parts import DIRTY_SUFFIX, PartFile, parse_part, read_part, remove_part, write_part
 from ..strategies.async_utils import AsyncRequest
+from ..strategies.dcp.staging import StagingBuffers
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict, TensorAwareStateDict
 from .replication import CliqueReplicationStrategy, LazyCliqueReplicationStrategy, NoReplicasAvailableError
 
@@ -64,14 +65,17 @@ class LocalCheckpointManager:
             None keeps each part on its own rank only.
         allowed_globals: classes a custom state dict's hollow part needs unpickled, on top of
             dist_ckpt's allowlist and the MCore state dict classes.
+        staging: where asynchronous saves copy the tensors (reused between saves; a budget
+            bounds them, tensors beyond it are cloned).
 
     Every rank calls ``save``, ``find_latest`` and ``load`` together, in the same order.
     """
 
     def __init__(self, root_local_ckpt_dir: Union[str, Path], session_id: str = "",
                  repl_strategy: Optional[Union[CliqueReplicationStrategy, LazyCliqueReplicationStrategy]] = None,
-                 allowed_globals: Iterable[Any] = ()) -> None:
+                 allowed_globals: Iterable[Any] = (), staging: Optional[StagingBuffers] = None) -> None:
         self.root_local_ckpt_dir = root_local_ckpt_dir
+        self.staging = staging if staging is not None else StagingBuffers()
         self.session_id = session_id
         self.repl_strategy = repl_strategy
         self.latest_iteration = -1
@@ -197,7 +201,8 @@ class LocalCheckpointManager:
     def save(self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False) -> Optional[AsyncRequest]:
         """Save this rank's ``state_dict`` as ``iteration`` (and replicate it). Synchronous:
         returns None once the iteration is complete on every rank (else raises on every rank).
-        Asynchronous: copies the tensors to host memory (training may go on changing them) and
+        Asynchronous: copies the tensors to host memory (training may go on changing them; the
+        copies are reused by the next saves) and
         returns an ``AsyncRequest`` whose write and replication run in the background and whose
         finalization (collective) checks completeness and removes older iterations."""
         if iteration <= self.latest_iteration:
@@ -205,19 +210,22 @@ class LocalCheckpointManager:
                 f"A newer checkpoint is already available: {self.latest_iteration} (saving {iteration})")
         ckpt_id = self._ckpt_id(iteration)
         self._ensure_dir()
-        restore_after = not is_async
-        if is_async:
-            state_dict.copy_tensors_to_cpu(non_blocking=False)
         tensors = state_dict.pop_tensors()
+        lease = None
+        to_write = tensors
+        if is_async:  # copies, in buffers reused from the previous saves (no new pages to fault in)
+            lease = self.staging.stage([t.detach() for t in tensors])
+            to_write = [b if b is not None else t.detach().cpu().clone() for b, t in zip(lease.buffers, tensors)]
         ticket = self._take_ticket()
         self.latest_iteration = -1  # find_latest looks again after this save
 
         def write_and_replicate() -> None:
             try:
-                self._write_and_replicate(ticket, state_dict, tensors, ckpt_id)
-            finally:
-                if restore_after:
-                    state_dict.insert_tensors(tensors)
+                self._write_and_replicate(ticket, state_dict, to_write, ckpt_id)
+            finally:  # the state is whole again; the copies are free for the next save
+                state_dict.insert_tensors(tensors)
+                if lease is not None:
+                    lease.release()
 
         def finalize() -> None:
             self._finalize(iteration)

@@ -25,6 +25,7 @@ Checksums are ``integrity.manifest``'s xxh3.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -170,16 +171,28 @@ def read_part_bytes(path: Path) -> bytearray:
 
 
 def read_part(path: Path, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
-    """(state, tensors) of a part file, verified; ``CorruptCheckpointError`` names what is wrong."""
-    return parse_part(_read_file(Path(path)), str(path), allowed_globals)
+    """(state, tensors) of a part file, verified; ``CorruptCheckpointError`` names what is wrong.
+
+    The file is mapped, not read: on tmpfs or in the page cache its pages become the tensors'
+    memory without a copy (private mapping: writing to a tensor never changes the file)."""
+    return parse_part(_map_file(Path(path)), str(path), allowed_globals)
 
 
-def verify_part(data: bytearray, where: str) -> None:
+def _map_file(path: Path) -> Any:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return bytearray()
+        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)  # all pages mapped at once
+        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def verify_part(data: Any, where: str) -> None:
     """Raise ``CorruptCheckpointError`` unless ``data`` is a complete, intact part."""
     _check(data, where)
 
 
-def parse_part(data: bytearray, where: str, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
+def parse_part(data: Any, where: str, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
     """(state, tensors) of a part held in memory, verified. The tensors are views of ``data``."""
     table = _check(data, where)
     offset, length, _ = table["state"]
@@ -211,7 +224,7 @@ def _read_file(path: Path) -> bytearray:
     return data
 
 
-def _check(data: bytearray, where: str) -> Dict[str, Any]:
+def _check(data: Any, where: str) -> Dict[str, Any]:
     """The table of a part after verifying the framing, the table and every byte it covers."""
     what = f"local checkpoint part {where}"
     size = len(data)
