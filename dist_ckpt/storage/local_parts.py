@@ -25,7 +25,6 @@ Checksums are ``integrity.manifest``'s xxh3.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -173,18 +172,10 @@ def read_part_bytes(path: Path) -> bytearray:
 def read_part(path: Path, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
     """(state, tensors) of a part file, verified; ``CorruptCheckpointError`` names what is wrong.
 
-    The file is mapped, not read: on tmpfs or in the page cache its pages become the tensors'
-    memory without a copy (private mapping: writing to a tensor never changes the file)."""
-    return parse_part(_map_file(Path(path)), str(path), allowed_globals)
-
-
-def _map_file(path: Path) -> Any:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return bytearray()
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)  # all pages mapped at once
-        return mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    Read into private memory (the tensors are views of one buffer): a private writable mapping
+    would be faster to set up but MAP_POPULATE copies every page of it, and a read-only one
+    would hand out tensors that crash the process when written."""
+    return parse_part(_read_file(Path(path)), str(path), allowed_globals)
 
 
 def verify_part(data: Any, where: str) -> None:
