@@ -61,6 +61,7 @@ from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with 
 from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import SaveShardedStrategy
+from .tensor_aware_state_dict import StateMismatchError
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +388,7 @@ class CheckpointManager:
             if local_step > newest_persistent:
                 try:
                     result = self.local.load(sharded_state_dict)
-                except NoReplicasAvailableError as e:  # raised on every rank: all fall back together
+                except (NoReplicasAvailableError, StateMismatchError) as e:  # on every rank: all fall back
                     logger.warning("cannot restore local step %s (%s); trying the persistent checkpoints",
                                    local_step, e)
                     failures.append(f"local step {local_step}: {e}")

@@ -41,7 +41,11 @@ from .validation import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TensorAwareStateDict", "MCoreTensorAwareStateDict", "HAVE_NVRX"]
+__all__ = ["TensorAwareStateDict", "MCoreTensorAwareStateDict", "HAVE_NVRX", "StateMismatchError"]
+
+
+class StateMismatchError(CheckpointingException):
+    """The request asks for shards this state dict does not hold (another sharding or algo)."""
 
 
 class _TensorAwareStateDict(ABC):
@@ -244,14 +248,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if isinstance(x, ShardedTensor):
                 shard_id = _sharded_tensor_shard_id(x)
                 if shard_id not in loaded_tensors:
-                    raise CheckpointingException(
+                    raise StateMismatchError(
                         f"the local checkpoint has no data for ShardedTensor {x.key!r} at offset {x.global_offset} "
                         f"(saved with another sharding or algo?); load the persistent checkpoint instead")
                 return loaded_tensors[shard_id]
             if isinstance(x, ShardedObject):
                 object_id = _sharded_object_id(x)
                 if object_id not in loaded_objects:
-                    raise CheckpointingException(f"the local checkpoint has no ShardedObject {object_id!r}")
+                    raise StateMismatchError(f"the local checkpoint has no ShardedObject {object_id!r}")
                 return loaded_objects[object_id]
             return x
 

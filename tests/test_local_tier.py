@@ -42,6 +42,28 @@ def test_part_round_trip_is_bit_exact(tmp_path):
         assert tensors_bitwise_equal(back, original.contiguous())
 
 
+def test_part_tensors_read_straight_into_destinations(tmp_path):
+    tensors = _tensors()
+    write_part(tmp_path / "p.pt", {"step": 3}, tensors)
+    into = {0: torch.zeros(3, 5), 4: torch.zeros(6, 3), 1: torch.zeros(7)}  # 1: wrong dtype, not used
+    seen = []
+
+    def destination(state, index, dtype, shape):
+        seen.append((state["step"], index, dtype, shape))
+        return into.get(index)
+
+    _, loaded = read_part(tmp_path / "p.pt", destination=destination)
+    assert loaded[0] is into[0] and loaded[4] is into[4] and loaded[1] is not into[1]
+    assert [s[1] for s in seen] == list(range(len(tensors))) and seen[1][2:] == (torch.int64, (7,))
+    for original, back in zip(tensors, loaded):
+        assert tensors_bitwise_equal(back, original.contiguous())
+    damaged = bytearray((tmp_path / "p.pt").read_bytes())
+    damaged[64 + 5] ^= 1  # inside tensor 0
+    (tmp_path / "d.pt").write_bytes(damaged)
+    with pytest.raises(CorruptCheckpointError, match="tensor 0"):
+        read_part(tmp_path / "d.pt", destination=destination)
+
+
 def test_every_damaged_byte_is_found(tmp_path):
     """A flipped bit anywhere (preamble, tensor data, padding excepted, state, table, trailer)
     and a file cut short are CorruptCheckpointError, never values."""
@@ -366,6 +388,15 @@ def _resume(rank: int, world: int, root: str, shm: str) -> dict:
     loaded = again.load(_request(rank, world))
     seen["after_new_branch"] = (again.loaded_step, again.loaded_tier)
     _check_restored(loaded, rank, world, 50)
+
+    # a request in another layout (each rank wants the whole of "w") cannot be served by the
+    # local tier, which holds each rank's own shards: every rank falls back to the persistent
+    # tier, which reshards
+    whole = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4 * world, 3), replica_id=rank)}
+    loaded = again.load(whole)
+    seen["other_layout"] = (again.loaded_step, again.loaded_tier)
+    expected = torch.cat([_state(r, world, 4)["w"].data for r in range(world)])
+    assert tensors_bitwise_equal(loaded["w"], expected)
     manager.close()
     again.close()
     return seen
@@ -387,5 +418,6 @@ def test_manager_resumes_from_tmpfs_after_every_rank_was_killed(tmp_path):
         assert seen["after_damage"] == (4, "persistent")
         assert seen["local_files_after_fallback"] == []
         assert seen["after_new_branch"] == (5, "local")
+        assert seen["other_layout"] == (4, "persistent")
     persistent = os.listdir(tmp_path / "persistent")
     assert "iter_0000004" in persistent and not any(n.startswith("iter_") and n != "iter_0000004" for n in persistent)

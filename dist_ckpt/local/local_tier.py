@@ -12,15 +12,17 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ..dict_utils import dict_list_map_outplace
+from ..dict_utils import dict_list_map_outplace, nested_values
 from ..mapping import ShardedBase, ShardedStateDict, ShardedTensor, StateDict
+from ..runtime.collectives import DistWrapper
 from ..strategies.async_utils import AsyncRequest
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict
+from ..utils import _sharded_tensor_shard_id
 from .manager import LocalCheckpointManager
 from .replication import CliqueReplicationStrategy
 
@@ -59,10 +61,24 @@ class LocalTier:
 
     def load(self, sharded_state_dict: ShardedStateDict) -> StateDict:
         """The state dict of ``find_latest``'s step, as ``dist_ckpt.load`` returns it: values
-        loaded into the request's tensors in place where it has them. Collective; raises
-        ``NoReplicasAvailableError`` on every rank if some rank's part cannot be had."""
-        state, _ = self.manager.load()
-        result = state.to_state_dict(sharded_state_dict, algo="atomic")
+        read straight into the request's tensors where it has them. Collective; raises on every
+        rank ``NoReplicasAvailableError`` if some rank's part cannot be had, ``StateMismatchError``
+        if the request is in another layout than the saved state (the persistent tier reshards)."""
+        targets = {_sharded_tensor_shard_id(sh): sh.data for sh in nested_values(sharded_state_dict)
+                   if isinstance(sh, ShardedTensor) and sh.data is not None}
+        order: List[Any] = []
+
+        def destination(state: Any, index: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> Optional[torch.Tensor]:
+            if not order:  # the saved ShardedTensors, in the order of the part's tensors
+                order.extend(_sharded_tensor_shard_id(sh) for sh in state._sharded_tensors)
+            return targets.get(order[index])
+
+        state, _ = self.manager.load(destination)
+        # the request's shards are this state dict's shards by id; the sharding was validated
+        # when it was saved, so the load's collective validation is not repeated
+        # (a request in another layout fails here on some ranks: ``StateMismatchError`` on all)
+        result = DistWrapper().all_run(lambda: state.to_state_dict(sharded_state_dict, algo="atomic",
+                                                                   validate_access_integrity=False))
         return _into_request_tensors(sharded_state_dict, result)
 
     def discard_newer_than(self, step: int) -> None:
@@ -84,7 +100,8 @@ def _into_request_tensors(request: Any, result: Any) -> Any:
         return [_into_request_tensors(a, b) for a, b in zip(request, result)]
     if (isinstance(request, ShardedTensor) and request.data is not None and isinstance(result, torch.Tensor)
             and request.data.shape == result.shape and request.data.dtype == result.dtype):
-        with torch.no_grad():
-            request.data.detach().copy_(result)
+        if result is not request.data:  # read straight into it already otherwise
+            with torch.no_grad():
+                request.data.detach().copy_(result)
         return request.data
     return result

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..core import CheckpointExistsError, CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 from ..runtime.collectives import DistWrapper
-from ..storage.local_parts import DIRTY_SUFFIX, PartFile, parse_part, read_part, remove_part, write_part
+from ..storage.local_parts import DIRTY_SUFFIX, Destination, PartFile, parse_part, read_part, remove_part, write_part
 from ..strategies.async_utils import AsyncRequest
 from ..strategies.dcp.staging import StagingBuffers
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict, TensorAwareStateDict
@@ -156,10 +156,11 @@ class LocalCheckpointManager:
 
     # -- load --------------------------------------------------------------------------------------
 
-    def load(self) -> Tuple[TensorAwareStateDict, CkptID]:
+    def load(self, destination: Optional[Destination] = None) -> Tuple[TensorAwareStateDict, CkptID]:
         """(this rank's state of the ``find_latest`` iteration, its id), every byte verified; a
         part missing or damaged here is fetched from a peer's verified copy. Collective; raises
-        ``NoReplicasAvailableError`` on every rank if some rank's part cannot be had."""
+        ``NoReplicasAvailableError`` on every rank if some rank's part cannot be had.
+        ``destination``: where to read tensors straight into (``storage.local_parts.read_part``)."""
         if self.latest_iteration == -1:
             raise CheckpointingException("The 'find_latest' method must be called before invoking the 'load' function.")
         iteration = self.latest_iteration
@@ -169,7 +170,7 @@ class LocalCheckpointManager:
         problem = "missing"
         if own_path.exists():
             try:
-                loaded = read_part(own_path, self.allowed_globals)
+                loaded = read_part(own_path, self.allowed_globals, destination)
             except (OSError, CheckpointingException) as e:
                 problem = str(e)
                 logger.warning("rank %s: its local part of iteration %s cannot be used (%s); trying replicas",

@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -169,13 +169,69 @@ def read_part_bytes(path: Path) -> bytearray:
     return data
 
 
-def read_part(path: Path, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
-    """(state, tensors) of a part file, verified; ``CorruptCheckpointError`` names what is wrong.
+Destination = Callable[[Any, int, torch.dtype, Tuple[int, ...]], Optional[torch.Tensor]]
 
-    Read into private memory (the tensors are views of one buffer): a private writable mapping
-    would be faster to set up but MAP_POPULATE copies every page of it, and a read-only one
-    would hand out tensors that crash the process when written."""
-    return parse_part(_read_file(Path(path)), str(path), allowed_globals)
+
+def read_part(path: Path, allowed_globals: Iterable[Any] = (),
+              destination: Optional[Destination] = None) -> Tuple[Any, List[torch.Tensor]]:
+    """(state, tensors) of a part file, every byte verified; ``CorruptCheckpointError`` names
+    what is wrong.
+
+    ``destination(state, i, dtype, shape)`` may name where tensor ``i`` goes (a contiguous CPU
+    tensor of that dtype and shape, e.g. the model's own): its bytes are then read straight into
+    it, one copy from the page cache or tmpfs, and verified there (if they fail, that tensor
+    holds the damaged bytes and the error is raised). Other tensors get fresh memory."""
+    where = str(path)
+    with open(path, "rb") as f:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+
+        def read_at(offset: int, length: int) -> memoryview:
+            buffer = memoryview(bytearray(length))
+            _pread_into(fd, buffer, offset, where)
+            return buffer
+
+        table = _frame(size, read_at, where)
+        offset, length, digest = table["state"]
+        state_bytes = read_at(offset, length)
+        if hash_bytes(state_bytes) != digest:
+            raise CorruptCheckpointError(f"local checkpoint part {where}: the state ({length} bytes at offset "
+                                         f"{offset}) fails its checksum")
+        state = _unpickle_state(bytes(state_bytes), where, allowed_globals)
+        tensors = []
+        for i, (dtype_name, shape, offset, nbytes, digest) in enumerate(table["tensors"]):
+            dtype, shape = getattr(torch, dtype_name), tuple(shape)
+            target = destination(state, i, dtype, shape) if destination is not None else None
+            if target is None or not _fits(target, dtype, shape):
+                target = torch.empty(shape, dtype=dtype)
+            view = _writable_bytes(target)
+            _pread_into(fd, view, offset, where)
+            if hash_bytes(view) != digest:
+                raise CorruptCheckpointError(f"local checkpoint part {where}: tensor {i} ({nbytes} bytes at offset "
+                                             f"{offset}) fails its checksum")
+            tensors.append(target)
+    return state, tensors
+
+
+def _fits(tensor: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
+    return (tensor.dtype == dtype and tuple(tensor.shape) == shape and tensor.device.type == "cpu"
+            and tensor.is_contiguous())
+
+
+def _writable_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(bytearray())
+    return tensor.detach().view(-1).view(torch.uint8).numpy().data
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CorruptCheckpointError(f"local checkpoint part {where} is truncated (no bytes at offset "
+                                         f"{offset + got})")
+        got += n
 
 
 def verify_part(data: Any, where: str) -> None:
@@ -203,46 +259,48 @@ def _read_file(path: Path) -> bytearray:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         data = bytearray(size)
-        view = memoryview(data)
-        got = 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != size:
-        raise CorruptCheckpointError(f"local checkpoint part {path} shrank while read ({got} of {size} bytes)")
+        _pread_into(f.fileno(), memoryview(data), 0, str(path))
     return data
 
 
-def _check(data: Any, where: str) -> Dict[str, Any]:
-    """The table of a part after verifying the framing, the table and every byte it covers."""
+def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[str, Any]:
+    """The table of a part of ``size`` bytes, after checking its framing and the table's checksum
+    and that every range it names lies inside the data."""
     what = f"local checkpoint part {where}"
-    size = len(data)
     if size < _PREAMBLE.size + _TRAILER.size:
         raise CorruptCheckpointError(f"{what} is truncated ({size} bytes)")
-    magic, version, _ = _PREAMBLE.unpack_from(data, 0)
-    table_offset, table_len, table_digest, tail = _TRAILER.unpack_from(data, size - _TRAILER.size)
+    magic, version, _ = _PREAMBLE.unpack_from(read_at(0, _PREAMBLE.size), 0)
+    table_offset, table_len, table_digest, tail = _TRAILER.unpack_from(read_at(size - _TRAILER.size, _TRAILER.size), 0)
     if magic != MAGIC or tail != MAGIC:
         raise CorruptCheckpointError(f"{what} is not a complete dist_ckpt local part (truncated or overwritten)")
     if version != VERSION:
         raise CorruptCheckpointError(f"{what} has format version {version}; this dist_ckpt reads {VERSION}")
     if table_offset + table_len != size - _TRAILER.size:
         raise CorruptCheckpointError(f"{what} has an inconsistent trailer")
-    raw_table = memoryview(data)[table_offset : table_offset + table_len]
+    raw_table = read_at(table_offset, table_len)
     if int(hash_bytes(raw_table), 16) != table_digest:
         raise CorruptCheckpointError(f"{what}: its table fails its checksum")
     try:
         table = json.loads(bytes(raw_table))
-        ranges = [("the state", *table["state"])]
-        ranges += [(f"tensor {i}", *entry[2:]) for i, entry in enumerate(table["tensors"])]
+        ranges = [table["state"]] + [entry[2:] for entry in table["tensors"]]
+        outside = any(offset < _PREAMBLE.size or offset + length > table_offset for offset, length, _ in ranges)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{what}: its table cannot be read ({e})") from None
+    if outside:
+        raise CorruptCheckpointError(f"{what}: its table names bytes outside the data")
+    return table
+
+
+def _check(data: Any, where: str) -> Dict[str, Any]:
+    """The table of a part held in memory after verifying the framing, the table and every byte."""
+    memory = memoryview(data)
+    table = _frame(len(memory), lambda offset, length: memory[offset : offset + length], where)
+    ranges = [("the state", *table["state"])]
+    ranges += [(f"tensor {i}", *entry[2:]) for i, entry in enumerate(table["tensors"])]
     for name, offset, length, digest in ranges:
-        if offset < _PREAMBLE.size or offset + length > table_offset:
-            raise CorruptCheckpointError(f"{what}: {name} lies outside the data")
-        if hash_bytes(memoryview(data)[offset : offset + length]) != digest:
-            raise CorruptCheckpointError(f"{what}: {name} ({length} bytes at offset {offset}) fails its checksum")
+        if hash_bytes(memory[offset : offset + length]) != digest:
+            raise CorruptCheckpointError(f"local checkpoint part {where}: {name} ({length} bytes at offset {offset}) "
+                                         f"fails its checksum")
     return table
 
 
