@@ -422,6 +422,7 @@ def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat
             _drop_cache(persist)
         target = request()
         phases["restore_persistent"] = _timed(lambda: dist_ckpt.load(target, persist / "iter_0000002"))
+        phases.update(_read_floors(state, rank, persist, Path(local)))
         fresh, target = manager(), request()
         phases["restore_local_own"] = _timed(lambda: fresh.load(target))
         assert fresh.loaded_tier == "local", fresh.loaded_tier
@@ -443,6 +444,36 @@ def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat
     return times
 
 
+def _read_floors(state: Dict[str, tuple], rank: int, disk: Path, tmpfs: Path) -> Dict[str, float]:
+    """The same bytes as this rank's state written raw to a file on the disk and on tmpfs, then
+    read back into touched tensors (the disk's cold): what reading them can cost at best here."""
+    floors = {}
+    for name, directory in (("floor_disk_cold", disk), ("floor_tmpfs", tmpfs)):
+        path = directory / f"raw-{rank}.bin"
+        with open(path, "wb") as f:
+            for tensor, _ in state.values():
+                f.write(tensor.view(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        targets = [torch.zeros_like(t) for t, _ in state.values()]
+
+        def read_all() -> None:
+            offset = 0
+            for t in targets:
+                view = t.view(-1).view(torch.uint8).numpy().data
+                got = 0
+                while got < len(view):
+                    got += os.preadv(fd, [view[got:]], offset + got)
+                offset += len(view)
+
+        floors[name] = _timed(read_all)
+        os.close(fd)
+        path.unlink()
+    return floors
+
+
 def _local_ratios(results: Times) -> List[str]:
     lines = []
     for tool, phases in results.items():
@@ -453,7 +484,10 @@ def _local_ratios(results: Times) -> List[str]:
                      f"local tier (own copy), {med['restore_persistent'] / med['restore_local_replica']:.1f}x with one "
                      f"node's copies lost, than from the persistent tier (cold cache); async save blocked "
                      f"{med['local_save_blocked']:.3f} s local vs {med['persistent_save_blocked']:.3f} s persistent, "
-                     f"total {med['local_save_total']:.2f} s vs {med['persistent_save_total']:.2f} s")
+                     f"total {med['local_save_total']:.2f} s vs {med['persistent_save_total']:.2f} s; the floor: raw "
+                     f"reads of the same bytes are {med['floor_disk_cold'] / med['floor_tmpfs']:.1f}x faster from tmpfs "
+                     f"than from the disk (cold), restore_local_own is {med['restore_local_own'] / med['floor_tmpfs']:.1f}x "
+                     f"the tmpfs floor")
     return lines
 
 

@@ -129,23 +129,25 @@ def test_clique_rule_matches_nvrx_examples_and_refuses_what_does_not_divide():
 # -- MCoreTensorAwareStateDict and the manager on real process groups --------------------------------
 
 
-def _state(rank: int, world: int, value: int) -> dict:
-    """A TP-split tensor, a tensor replicated on every rank, an object per rank, common state."""
+def _state(rank: int, world: int, value: int, classes=None) -> dict:
+    """A TP-split tensor, a tensor replicated on every rank, an object per rank, common state
+    (with dist_ckpt's mapping classes, or ``classes``: Megatron-Core's module)."""
+    tensor, obj = (ShardedTensor, ShardedObject) if classes is None else (classes.ShardedTensor, classes.ShardedObject)
     gen = torch.Generator().manual_seed(1000 * value + rank)
     return {
-        "w": ShardedTensor.from_rank_offsets("w", torch.randn(4, 3, generator=gen), (0, rank, world)),
-        "shared": ShardedTensor.from_rank_offsets("shared", torch.full((5,), float(value)).bfloat16(),
-                                                  replica_id=rank),
-        "obj": ShardedObject("obj", {"rank": rank, "value": value}, (world,), (rank,)),
+        "w": tensor.from_rank_offsets("w", torch.randn(4, 3, generator=gen), (0, rank, world)),
+        "shared": tensor.from_rank_offsets("shared", torch.full((5,), float(value)).bfloat16(), replica_id=rank),
+        "obj": obj("obj", {"rank": rank, "value": value}, (world,), (rank,)),
         "step": value,
     }
 
 
-def _request(rank: int, world: int) -> dict:
+def _request(rank: int, world: int, classes=None) -> dict:
+    tensor, obj = (ShardedTensor, ShardedObject) if classes is None else (classes.ShardedTensor, classes.ShardedObject)
     return {
-        "w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 3), (0, rank, world)),
-        "shared": ShardedTensor.from_rank_offsets("shared", torch.zeros(5).bfloat16(), replica_id=rank),
-        "obj": ShardedObject("obj", None, (world,), (rank,)),
+        "w": tensor.from_rank_offsets("w", torch.zeros(4, 3), (0, rank, world)),
+        "shared": tensor.from_rank_offsets("shared", torch.zeros(5).bfloat16(), replica_id=rank),
+        "obj": obj("obj", None, (world,), (rank,)),
     }
 
 
@@ -333,6 +335,67 @@ def test_local_tier_on_two_nodes_of_two_ranks(tmp_path):
         assert seen["files"] == sorted([f"iter_0000003_{rank}_local.pt", f"iter_0000003_{peer}_local.pt"])
         assert seen["after_node_loss"] == (3, "local")  # from the copies on the other node, bit-exact
         assert seen["after_clique_loss"] == (2, "persistent")  # no complete local step: the persistent tier
+
+
+def _against_megatron_core_and_nvrx(rank: int, world: int, root: str) -> dict:
+    """Megatron-Core's MCoreTensorAwareStateDict (it needs NVRx) and ours on the same state dict,
+    then Megatron-LM's local-checkpoint path: NVRx's LocalCheckpointManager saving ours."""
+    from megatron_cpu import megatron_training_on_cpu
+
+    megatron_training_on_cpu()  # Megatron-Core's exchange allocates on "cuda"
+    import megatron.core.dist_checkpointing as mdc
+    from megatron.core.dist_checkpointing.tensor_aware_state_dict import MCoreTensorAwareStateDict as Theirs
+    from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.local_manager import LocalCheckpointManager as Nvrx
+    from nvidia_resiliency_ext.checkpointing.local.replication.strategies import CliqueReplicationStrategy
+
+    from dist_ckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict as Ours
+
+    seen = {}
+    for algo in ("atomic", "fully_parallel"):
+        theirs, _ = Theirs.from_state_dict(_state(rank, world, 3, mdc), algo=algo)
+        ours, _ = Ours.from_state_dict(_state(rank, world, 3), algo=algo)
+        their_tensors, our_tensors = list(theirs.tensors), list(ours.tensors)
+        assert len(their_tensors) == len(our_tensors)
+        assert all(tensors_bitwise_equal(a, b) for a, b in zip(their_tensors, our_tensors))
+        assert theirs.common_state_dict == ours.common_state_dict == {"step": 3}
+        for tasd in (theirs, ours):
+            popped = tasd.pop_tensors()
+            assert tasd.is_hollow and list(tasd.values())[2] is True  # (common, sharded_state_dict, _is_hollow)
+            tasd.insert_tensors(popped)
+        their_out = theirs.to_state_dict(_request(rank, world, mdc), algo=algo)
+        our_out = ours.to_state_dict(_request(rank, world), algo=algo)
+        assert sorted(their_out) == sorted(our_out) == ["obj", "shared", "step", "w"]
+        for key in ("w", "shared"):
+            assert tensors_bitwise_equal(their_out[key], our_out[key]), (algo, key)
+        assert their_out["obj"] == our_out["obj"] and their_out["step"] == our_out["step"] == 3
+        _check_restored(our_out, rank, world, 3)
+        seen[algo] = len(our_tensors)
+
+    # Megatron-LM's --non-persistent-ckpt-type local: NVRx's manager with our state dicts
+    repl = CliqueReplicationStrategy.from_replication_params(1, 2)
+    manager = Nvrx(f"{root}/nvrx", repl_strategy=repl)
+    manager.save(Ours.from_state_dict(_state(rank, world, 8), algo="fully_parallel")[0], 8)
+    if rank == 1:
+        manager._local_ckpt_path_from_id(manager._ckpt_id(8)).unlink()  # its copy on rank 0 is used
+    dist_barrier()
+    restarted = Nvrx(f"{root}/nvrx", repl_strategy=repl)
+    assert restarted.find_latest() == 8
+    state, _ = restarted.load()
+    _check_restored(state.to_state_dict(_request(rank, world), algo="fully_parallel"), rank, world, 8)
+    return seen
+
+
+def dist_barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_same_as_megatron_core_and_usable_by_nvrx(tmp_path):
+    results = run_distributed(_against_megatron_core_and_nvrx, 2, str(tmp_path))
+    assert [r["atomic"] for r in results] == [2, 2]
+    assert sorted(r["fully_parallel"] for r in results) == [1, 2]  # "shared" kept by one rank
 
 
 # -- CheckpointManager with a local tier ----------------------------------------------------------------
