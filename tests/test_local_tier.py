@@ -230,8 +230,15 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     assert iteration == 4
     _check_restored(loaded, rank, world, 4)
 
-    # without replication the copy does not count: nothing complete
+    # the copy fetched from rank 0 became rank 1's own part again (the next restart reads it)
+    seen["healed"] = mine.exists()
+    # without replication a copy does not count: with rank 1's own part gone, nothing is complete
+    if rank == 1:
+        mine.unlink()
+    dist.barrier()
     assert _restore(f"{root}/local", rank, world, None)[0] == -1
+    iteration, loaded = _restore(f"{root}/local", rank, world, repl)  # heals it again
+    _check_restored(loaded, rank, world, 4)
 
     # a byte flipped in rank 0's own part: treated as missing, rank 1's copy is used
     if rank == 0:
@@ -242,12 +249,12 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     iteration, loaded = _restore(f"{root}/local", rank, world, repl)
     _check_restored(loaded, rank, world, 4)
 
-    # and when rank 1's copy of rank 0's part is damaged too: every rank says so
-    if rank == 1:
-        copy = manager._local_ckpt_path_from_id((4, 0, "job"))
-        data = bytearray(copy.read_bytes())
-        data[-40] ^= 1
-        copy.write_bytes(data)
+    # (rank 0's own part was replaced by the verified copy) and when both rank 0's part and
+    # rank 1's copy of it are damaged: every rank says so
+    copy = manager._local_ckpt_path_from_id((4, 0, "job"))  # rank 0's own part on rank 0
+    data = bytearray(copy.read_bytes())
+    data[-40 if rank == 1 else 100] ^= 1
+    copy.write_bytes(data)
     dist.barrier()
     with pytest.raises(NoReplicasAvailableError, match=r"no verified part for rank\(s\) \[0\]"):
         _restore(f"{root}/local", rank, world, repl)
@@ -284,6 +291,7 @@ def test_local_tier_on_two_ranks(tmp_path):
         assert seen["after_async_saves"] == ["iter_0000004_0_local.pt", "iter_0000004_1_local.pt"]
         assert seen["after_failed_save"] == ["iter_0000004_0_local.pt", "iter_0000004_1_local.pt"]
         assert seen["identical_resave"]
+        assert seen["healed"]
     # the replicated tensor is kept once over both ranks
     assert sorted(r["fully_parallel_tensors"] for r in results) == [1, 2]
 

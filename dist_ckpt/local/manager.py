@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..core import CheckpointExistsError, CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 from ..runtime.collectives import DistWrapper
-from ..storage.local_parts import DIRTY_SUFFIX, Destination, PartFile, parse_part, read_part, remove_part, write_part
+from ..storage.local_parts import DIRTY_SUFFIX, Destination, PartFile, read_part, remove_part, write_part
 from ..strategies.async_utils import AsyncRequest
 from ..strategies.dcp.staging import StagingBuffers
 from ..tensor_aware_state_dict import MCoreTensorAwareStateDict, TensorAwareStateDict
@@ -168,20 +168,24 @@ class LocalCheckpointManager:
         own_path = self._local_ckpt_path_from_id(ckpt_id)
         loaded: Optional[Tuple[Any, List[torch.Tensor]]] = None
         problem = "missing"
-        if own_path.exists():
+
+        def use_own() -> bool:
+            nonlocal loaded, problem
             try:
                 loaded = read_part(own_path, self.allowed_globals, destination)
+                return True
             except (OSError, CheckpointingException) as e:
                 problem = str(e)
-                logger.warning("rank %s: its local part of iteration %s cannot be used (%s); trying replicas",
-                               self.rank, iteration, e)
+                logger.warning("rank %s: its local part of iteration %s cannot be used (%s)", self.rank, iteration, e)
+                return False
+
+        if own_path.exists():
+            use_own()
         if self.repl_strategy is not None:
             held = {owner: self._local_ckpt_path_from_id((iteration, owner, self.session_id))
                     for it, owner, _ in self._my_ckpt_ids() if it == iteration and owner != self.rank}
             with self._turn():
-                fetched, _ = self.repl_strategy.retrieve(loaded is not None, held, str(own_path))
-            if fetched is not None:
-                loaded = parse_part(fetched, f"{own_path} (fetched from a peer)", self.allowed_globals)
+                self.repl_strategy.retrieve(iteration, loaded is not None, held, own_path, use_own)
         outcomes = DistWrapper().all_gather_object(None if loaded is not None else problem)
         failed = {r: p for r, p in enumerate(outcomes) if p is not None}
         if failed:

@@ -24,8 +24,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..core import CheckpointingException, CorruptCheckpointError
-from ..storage.local_parts import PartFile, PartReceiver, read_part_bytes, verify_part
+from ..core import CheckpointingException
+from ..integrity.manifest import new_hasher
+from ..storage.local_parts import PartFile, PartReceiver, remove_part
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class CliqueReplicationStrategy:
         kept = []
         for owner in self.ranks:
             if owner == me:
-                self._send_file(iteration, own)
+                self._send_file(iteration, own.path if own is not None else None, own)
             elif self._receive_file(iteration, owner, path_for(owner)):
                 kept.append(owner)
         return kept
@@ -130,47 +131,53 @@ class CliqueReplicationStrategy:
         dist.broadcast(header, src=src, group=self.local_group)
         return header.tolist()
 
-    def _send_file(self, iteration: int, part: Optional[PartFile]) -> None:
+    def _send_file(self, iteration: int, path: Optional[Path], written: Optional[PartFile] = None) -> None:
+        """Broadcast the file at ``path`` (None: nothing to send) from this rank: header, chunks,
+        then whether it was read whole and the digest - the one computed while it was written
+        if known (``written``: a copy then matches what was written, not what was read back),
+        else the one of the bytes read."""
         me = dist.get_rank()
-        status, size, digest = (1, part.size, part.digest) if part is not None else (0, 0, 0)
-        self._header([status, iteration, size, _signed(digest)], me)
-        if not status:
+        source = None
+        if path is not None:
+            try:
+                source = open(path, "rb")
+            except OSError as e:
+                logger.warning("local part %s cannot be read to send it: %s", path, e)
+        if source is None:
+            self._header([0, iteration, 0], me)
             return
-        assert part is not None
-        intact = 1
-        buffer = torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8)
-        try:
-            source = open(part.path, "rb")
-        except OSError as e:
-            logger.warning("local part %s cannot be read to replicate it: %s", part.path, e)
-            source, intact = None, 0
-        try:
+        with source:
+            size = os.fstat(source.fileno()).st_size
+            self._header([1, iteration, size], me)
+            intact, hasher = 1, new_hasher()
+            buffer = torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8)
             for start in range(0, size, CHUNK_BYTES):
                 chunk = buffer[: min(CHUNK_BYTES, size - start)]
-                if source is not None and intact:
+                if intact:
                     view = chunk.numpy().data
                     if source.readinto(view) != len(view):
-                        logger.warning("local part %s shrank while replicated", part.path)
+                        logger.warning("local part %s shrank while sent", path)
                         intact = 0
+                    hasher.update(view)
                 dist.broadcast(chunk, src=me, group=self.local_group)
-        finally:
-            if source is not None:
-                source.close()
-        self._header([intact], me)
+        digest = written.digest if written is not None else hasher.intdigest()
+        self._header([intact, _signed(digest)], me)
 
-    def _receive_file(self, iteration: int, owner: int, path: Path) -> bool:
-        status, sent_iteration, size, digest = self._header([0, 0, 0, 0], owner)
+    def _receive_file(self, iteration: int, owner: int, path: Optional[Path]) -> bool:
+        """Receive ``owner``'s broadcast into ``path`` (None: take part, keep nothing); True if
+        a complete copy whose digest matches the sender's was renamed into place."""
+        status, sent_iteration, size = self._header([0, 0, 0], owner)
         if not status:
             return False
-        if sent_iteration != iteration:  # the ranks ran their saves out of order: a bug, never a copy
+        if sent_iteration != iteration:  # the ranks ran their transfers out of order: a bug, never a copy
             raise CheckpointingException(
-                f"rank {owner} replicated iteration {sent_iteration} while this rank saves {iteration}")
-        receiver: Optional[PartReceiver]
-        try:
-            receiver = PartReceiver(path, size)
-        except (OSError, CheckpointingException) as e:
-            logger.warning("cannot keep rank %s's part of iteration %s at %s: %s", owner, iteration, path, e)
-            receiver = None
+                f"rank {owner} sent iteration {sent_iteration} while this rank expects {iteration}")
+        receiver: Optional[PartReceiver] = None
+        if path is not None:
+            try:
+                receiver = PartReceiver(path, size)
+            except (OSError, CheckpointingException) as e:
+                logger.warning("cannot keep rank %s's part of iteration %s at %s: %s", owner, iteration, path, e)
         buffer = torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8)
         try:
             for start in range(0, size, CHUNK_BYTES):
@@ -178,7 +185,7 @@ class CliqueReplicationStrategy:
                 dist.broadcast(chunk, src=owner, group=self.local_group)
                 if receiver is not None:
                     receiver.write(chunk.numpy().data)
-            (intact,) = self._header([0], owner)
+            intact, digest = self._header([0, 0], owner)
         except BaseException:
             if receiver is not None:
                 receiver.abort()
@@ -190,17 +197,19 @@ class CliqueReplicationStrategy:
             return False
         return receiver.finish(digest & ((1 << 64) - 1))
 
-    # -- load: a missing part fetched from a member that holds a verified copy ------------------
+    # -- load: a missing part fetched from a member that holds a copy -------------------------------
 
-    def retrieve(self, own_ok: bool, held: Dict[int, Path], where: str) -> Tuple[Optional[bytearray], List[int]]:
-        """Collective over the clique. ``own_ok``: this rank's own part verified; ``held``:
-        owner -> path of the copies this rank holds. Returns (the verified bytes of this rank's
-        part fetched from a peer, or None if it needed none or none could be had; the clique
-        members still without a verified part)."""
+    def retrieve(self, iteration: int, own_ok: bool, held: Dict[int, Path], own_path: Path,
+                 use_own: Callable[[], bool]) -> List[int]:
+        """Collective over the clique: every member whose own part of ``iteration`` is missing
+        or damaged (``own_ok`` False here) gets a copy from a member holding one (``held``:
+        owner -> path of the copies here), streamed into its own directory at ``own_path`` and
+        then used like its own part (``use_own()``: read and verify it; True if it served). A
+        copy that fails is removed and the next holder tried. Returns the members still without
+        a part."""
         me = dist.get_rank()
         statuses: List[Optional[Tuple[bool, List[int]]]] = [None] * len(self.ranks)
         dist.all_gather_object(statuses, (own_ok, sorted(held)), group=self.local_group)
-        fetched: Optional[bytearray] = None
         still_missing = []
         for needy, status in zip(self.ranks, statuses):
             assert status is not None
@@ -210,64 +219,23 @@ class CliqueReplicationStrategy:
             got = False
             for holder in holders:
                 if me == holder:
-                    self._serve(held[needy])
+                    self._send_file(iteration, held[needy])
                     got = bool(self._header([0], needy)[0])
                 elif me == needy:
-                    data = self._fetch(holder, where)
-                    got = data is not None
+                    remove_part(own_path)  # the damaged own part, or a copy that failed before
+                    got = self._receive_file(iteration, holder, own_path) and use_own()
+                    if not got:
+                        logger.warning("the copy of this rank's part from rank %s cannot be used", holder)
+                        remove_part(own_path)
                     self._header([int(got)], me)
-                    if got:
-                        fetched = data
                 else:
-                    self._skip(holder)
+                    self._receive_file(iteration, holder, None)
                     got = bool(self._header([0], needy)[0])
                 if got:
                     break
             if not got:
                 still_missing.append(needy)
-        return fetched, still_missing
-
-    def _serve(self, path: Path) -> None:
-        me = dist.get_rank()
-        try:
-            data: Optional[bytearray] = read_part_bytes(path)  # verified before it is sent
-        except (OSError, CheckpointingException) as e:
-            logger.warning("the copy %s cannot be used: %s", path, e)
-            data = None
-        self._header([int(data is not None), len(data) if data is not None else 0], me)
-        if data is not None:
-            self._broadcast_bytes(data, len(data), me)
-
-    def _fetch(self, holder: int, where: str) -> Optional[bytearray]:
-        ok, size = self._header([0, 0], holder)
-        if not ok:
-            return None
-        data = bytearray(size)
-        self._broadcast_bytes(data, size, holder)
-        try:
-            verify_part(data, f"{where} (the copy from rank {holder})")
-        except CorruptCheckpointError as e:
-            logger.warning("the copy received from rank %s is damaged: %s", holder, e)
-            return None
-        return data
-
-    def _skip(self, holder: int) -> None:
-        ok, size = self._header([0, 0], holder)
-        if ok:
-            self._broadcast_bytes(None, size, holder)
-
-    def _broadcast_bytes(self, data: Optional[bytearray], size: int, src: int) -> None:
-        """``size`` bytes from ``src`` into ``data`` (sent from it on ``src``; None: received
-        into a scratch chunk and dropped), one chunk per broadcast."""
-        scratch = torch.empty(min(CHUNK_BYTES, size), dtype=torch.uint8) if data is None else None
-        for start in range(0, size, CHUNK_BYTES):
-            length = min(CHUNK_BYTES, size - start)
-            if data is not None:
-                chunk = torch.frombuffer(data, dtype=torch.uint8, count=length, offset=start)
-            else:
-                assert scratch is not None
-                chunk = scratch[:length]
-            dist.broadcast(chunk, src=src, group=self.local_group)
+        return still_missing
 
 
 class LazyCliqueReplicationStrategy:
@@ -293,5 +261,6 @@ class LazyCliqueReplicationStrategy:
     def replicate_parts(self, iteration: int, own: Optional[PartFile], path_for: Callable[[int], Path]) -> List[int]:
         return self.replication_strategy.replicate_parts(iteration, own, path_for)
 
-    def retrieve(self, own_ok: bool, held: Dict[int, Path], where: str) -> Tuple[Optional[bytearray], List[int]]:
-        return self.replication_strategy.retrieve(own_ok, held, where)
+    def retrieve(self, iteration: int, own_ok: bool, held: Dict[int, Path], own_path: Path,
+                 use_own: Callable[[], bool]) -> List[int]:
+        return self.replication_strategy.retrieve(iteration, own_ok, held, own_path, use_own)

@@ -29,7 +29,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,9 +42,7 @@ __all__ = [
     "PartFile",
     "write_part",
     "read_part",
-    "read_part_bytes",
-    "parse_part",
-    "verify_part",
+    "Destination",
     "PartReceiver",
     "remove_part",
 ]
@@ -162,13 +160,6 @@ class _Collect:
         return b"".join(self._chunks)
 
 
-def read_part_bytes(path: Path) -> bytearray:
-    """The whole part file, after checking it (``parse_part`` would succeed)."""
-    data = _read_file(Path(path))
-    _check(data, str(path))
-    return data
-
-
 Destination = Callable[[Any, int, torch.dtype, Tuple[int, ...]], Optional[torch.Tensor]]
 
 
@@ -234,35 +225,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
         got += n
 
 
-def verify_part(data: Any, where: str) -> None:
-    """Raise ``CorruptCheckpointError`` unless ``data`` is a complete, intact part."""
-    _check(data, where)
-
-
-def parse_part(data: Any, where: str, allowed_globals: Iterable[Any] = ()) -> Tuple[Any, List[torch.Tensor]]:
-    """(state, tensors) of a part held in memory, verified. The tensors are views of ``data``."""
-    table = _check(data, where)
-    offset, length, _ = table["state"]
-    state = _unpickle_state(bytes(memoryview(data)[offset : offset + length]), where, allowed_globals)
-    tensors = []
-    for dtype_name, shape, offset, nbytes, _ in table["tensors"]:
-        dtype = getattr(torch, dtype_name)
-        if nbytes == 0:
-            tensors.append(torch.empty(shape, dtype=dtype))
-            continue
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=offset)
-        tensors.append(flat.view(dtype).view(shape))
-    return state, tensors
-
-
-def _read_file(path: Path) -> bytearray:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        _pread_into(f.fileno(), memoryview(data), 0, str(path))
-    return data
-
-
 def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[str, Any]:
     """The table of a part of ``size`` bytes, after checking its framing and the table's checksum
     and that every range it names lies inside the data."""
@@ -288,19 +250,6 @@ def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[st
         raise CorruptCheckpointError(f"{what}: its table cannot be read ({e})") from None
     if outside:
         raise CorruptCheckpointError(f"{what}: its table names bytes outside the data")
-    return table
-
-
-def _check(data: Any, where: str) -> Dict[str, Any]:
-    """The table of a part held in memory after verifying the framing, the table and every byte."""
-    memory = memoryview(data)
-    table = _frame(len(memory), lambda offset, length: memory[offset : offset + length], where)
-    ranges = [("the state", *table["state"])]
-    ranges += [(f"tensor {i}", *entry[2:]) for i, entry in enumerate(table["tensors"])]
-    for name, offset, length, digest in ranges:
-        if hash_bytes(memory[offset : offset + length]) != digest:
-            raise CorruptCheckpointError(f"local checkpoint part {where}: {name} ({length} bytes at offset {offset}) "
-                                         f"fails its checksum")
     return table
 
 
@@ -355,9 +304,3 @@ class PartReceiver:
     def abort(self) -> None:
         self._file.close()
         _unlink_quietly(self._dirty)
-
-
-def iter_chunks(data: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
-    for start in range(0, len(data), chunk_bytes):
-        yield data[start : start + chunk_bytes]
-
