@@ -279,6 +279,49 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     again.save(_tasd(rank, world, 4, "atomic"), 4)
     first = manager._local_ckpt_path_from_id(manager._ckpt_id(4)).read_bytes()
     seen["identical_resave"] = first == again._local_ckpt_path_from_id(again._ckpt_id(4)).read_bytes()
+
+    # a load while an async save's background part is still writing (held by an event): the
+    # load's transfers wait for the save's (never interleaved on the clique group) and it
+    # restores the newest complete iteration
+    import threading
+
+    import dist_ckpt.local.manager as local_manager
+
+    assert again.find_latest() == 4
+    order: list = []
+    hold = threading.Event()
+    real_write, real_replicate, real_retrieve = local_manager.write_part, repl.replicate_parts, repl.retrieve
+
+    def held_write(*args, **kwargs):
+        hold.wait(60)
+        return real_write(*args, **kwargs)
+
+    def replicate(*args, **kwargs):
+        result = real_replicate(*args, **kwargs)
+        order.append("save transfers done")
+        return result
+
+    def retrieve(*args, **kwargs):
+        order.append("load transfers start")
+        return real_retrieve(*args, **kwargs)
+
+    local_manager.write_part, repl.replicate_parts, repl.retrieve = held_write, replicate, retrieve
+    try:
+        request = again.save(_tasd(rank, world, 5, "atomic"), 5, is_async=True)
+        writer = threading.Thread(target=request.run_async_fn)  # as AsyncCallsQueue runs it
+        writer.start()
+        reader = LocalCheckpointManager(f"{root}/again", session_id="job", repl_strategy=repl)
+        assert reader.find_latest() == 4  # iteration 5 is not written yet
+        threading.Timer(0.5, hold.set).start()
+        state, _ = reader.load()
+    finally:
+        local_manager.write_part = real_write
+        del repl.replicate_parts, repl.retrieve
+    writer.join(60)
+    request.finalize()
+    seen["order"] = order
+    _check_restored(state.to_state_dict(_request(rank, world), algo="atomic"), rank, world, 4)
+    assert again.find_latest() == 5
     return seen
 
 
@@ -292,6 +335,7 @@ def test_local_tier_on_two_ranks(tmp_path):
         assert seen["after_failed_save"] == ["iter_0000004_0_local.pt", "iter_0000004_1_local.pt"]
         assert seen["identical_resave"]
         assert seen["healed"]
+        assert seen["order"] == ["save transfers done", "load transfers start"]
     # the replicated tensor is kept once over both ranks
     assert sorted(r["fully_parallel_tensors"] for r in results) == [1, 2]
 

@@ -17,10 +17,10 @@ as missing instead of loaded; overlapping asynchronous saves replicate in submis
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-import threading
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Tuple, Union
 
@@ -83,10 +83,6 @@ class LocalCheckpointManager:
         self._rank: Optional[int] = None
         self._local_ckpt_dir: Optional[Path] = None
         self._globally_available: List[List[CkptID]] = []
-        # Replication runs in save order on every rank: save k's transfer waits for save k-1's.
-        self._turns = threading.Condition()
-        self._next_ticket = 0
-        self._serving = 0
 
     # -- names (NVRx's, so its tests and tools find the files) -------------------------------------
 
@@ -184,7 +180,7 @@ class LocalCheckpointManager:
         if self.repl_strategy is not None:
             held = {owner: self._local_ckpt_path_from_id((iteration, owner, self.session_id))
                     for it, owner, _ in self._my_ckpt_ids() if it == iteration and owner != self.rank}
-            with self._turn():
+            with self.repl_strategy.turns.turn():
                 self.repl_strategy.retrieve(iteration, loaded is not None, held, own_path, use_own)
         outcomes = DistWrapper().all_gather_object(None if loaded is not None else problem)
         failed = {r: p for r, p in enumerate(outcomes) if p is not None}
@@ -221,7 +217,7 @@ class LocalCheckpointManager:
         if is_async:  # copies, in buffers reused from the previous saves (no new pages to fault in)
             lease = self.staging.stage([t.detach() for t in tensors])
             to_write = [b if b is not None else t.detach().cpu().clone() for b, t in zip(lease.buffers, tensors)]
-        ticket = self._take_ticket()
+        ticket = self.repl_strategy.turns.take() if self.repl_strategy is not None else None
         self.latest_iteration = -1  # find_latest looks again after this save
 
         def write_and_replicate() -> None:
@@ -242,19 +238,10 @@ class LocalCheckpointManager:
         request.execute_sync()
         return None
 
-    def _take_ticket(self) -> int:
-        with self._turns:
-            ticket = self._next_ticket
-            self._next_ticket += 1
-            return ticket
-
-    def _turn(self) -> "_Turn":
-        return _Turn(self, self._take_ticket())
-
-    def _write_and_replicate(self, ticket: int, state: TensorAwareStateDict, tensors: List[torch.Tensor],
+    def _write_and_replicate(self, ticket: Optional[int], state: TensorAwareStateDict, tensors: List[torch.Tensor],
                              ckpt_id: CkptID) -> None:
         iteration = ckpt_id[0]
-        with _Turn(self, ticket):
+        with (self.repl_strategy.turns.turn(ticket) if self.repl_strategy is not None else contextlib.nullcontext()):
             part: Optional[PartFile] = None
             error: Optional[BaseException] = None
             try:
@@ -313,26 +300,3 @@ class LocalCheckpointManager:
         for it, path in self._parts():
             if it == iteration:
                 remove_part(path)
-
-
-class _Turn:
-    """Holds a manager's replication turn ``ticket`` (turns are taken in ticket order)."""
-
-    def __init__(self, manager: LocalCheckpointManager, ticket: int, timeout_s: float = 3600.0) -> None:
-        self.manager = manager
-        self.ticket = ticket
-        self.timeout_s = timeout_s
-
-    def __enter__(self) -> None:
-        turns = self.manager._turns
-        with turns:
-            if not turns.wait_for(lambda: self.manager._serving == self.ticket, timeout=self.timeout_s):
-                raise CheckpointingException(
-                    f"local checkpoint transfer {self.ticket} waited {self.timeout_s:.0f} s for transfer "
-                    f"{self.manager._serving} (an asynchronous save returned by save() was never run?)")
-
-    def __exit__(self, *exc: Any) -> None:
-        turns = self.manager._turns
-        with turns:
-            self.manager._serving = self.ticket + 1
-            turns.notify_all()

@@ -15,11 +15,13 @@ so nobody waits on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +38,7 @@ __all__ = [
     "parse_group_sequence",
     "CliqueReplicationStrategy",
     "LazyCliqueReplicationStrategy",
+    "TransferTurns",
     "CHUNK_BYTES",
 ]
 
@@ -80,6 +83,40 @@ def _signed(digest: int) -> int:
     return digest - (1 << 64) if digest >= 1 << 63 else digest
 
 
+class TransferTurns:
+    """The order in which a clique group's transfers run on this rank: the order they were
+    asked for (``take``), the same on every rank, so the ranks' collectives always pair up -
+    also when an asynchronous save's transfers run in a background thread while a load, or a
+    later save, wants the same group."""
+
+    def __init__(self, timeout_s: float = 3600.0) -> None:
+        self._condition = threading.Condition()
+        self._next = 0
+        self._serving = 0
+        self.timeout_s = timeout_s
+
+    def take(self) -> int:
+        with self._condition:
+            ticket, self._next = self._next, self._next + 1
+            return ticket
+
+    @contextlib.contextmanager
+    def turn(self, ticket: Optional[int] = None) -> Iterator[None]:
+        """Wait for ``ticket``'s turn (a new ticket if None), hold it for the block."""
+        ticket = self.take() if ticket is None else ticket
+        with self._condition:
+            if not self._condition.wait_for(lambda: self._serving == ticket, timeout=self.timeout_s):
+                raise CheckpointingException(
+                    f"a local checkpoint transfer waited {self.timeout_s:.0f} s for the transfers before it "
+                    f"(an asynchronous save returned by save() that was never run?)")
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._serving = ticket + 1
+                self._condition.notify_all()
+
+
 class CliqueReplicationStrategy:
     """Every rank's part copied to the other members of its clique.
 
@@ -94,6 +131,7 @@ class CliqueReplicationStrategy:
         self.local_group = local_group
         self.target_device = target_device
         self.ranks = sorted(ranks) if ranks is not None else sorted(dist.get_process_group_ranks(local_group))
+        self.turns = TransferTurns()
 
     @classmethod
     def from_replication_params(cls, replication_jump: Optional[int] = None, replication_factor: int = 2,
@@ -257,6 +295,10 @@ class LazyCliqueReplicationStrategy:
     @property
     def ranks(self) -> List[int]:
         return self.replication_strategy.ranks
+
+    @property
+    def turns(self) -> TransferTurns:
+        return self.replication_strategy.turns
 
     def replicate_parts(self, iteration: int, own: Optional[PartFile], path_for: Callable[[int], Path]) -> List[int]:
         return self.replication_strategy.replicate_parts(iteration, own, path_for)
