@@ -486,9 +486,9 @@ def _local_ratios(results: Times) -> List[str]:
                      f"node's copies lost, than from the persistent tier (cold cache); async save blocked "
                      f"{med['local_save_blocked']:.3f} s local vs {med['persistent_save_blocked']:.3f} s persistent, "
                      f"total {med['local_save_total']:.2f} s vs {med['persistent_save_total']:.2f} s; the floor: raw "
-                     f"reads of the same bytes are {med['floor_disk_cold'] / med['floor_tmpfs']:.1f}x faster from tmpfs "
-                     f"than from the disk (cold), restore_local_own is {med['restore_local_own'] / med['floor_tmpfs']:.1f}x "
-                     f"the tmpfs floor")
+                     f"reads of the same bytes are {med['floor_disk_cold'] / med['floor_tmpfs']:.1f}x faster from "
+                     f"tmpfs than from the disk (cold), restore_local_own is "
+                     f"{med['restore_local_own'] / med['floor_tmpfs']:.1f}x the tmpfs floor")
     return lines
 
 

@@ -18,6 +18,7 @@ accepts these objects unchanged.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class _TensorAwareStateDict(ABC):
 TensorAwareStateDict: Any = _TensorAwareStateDict
 HAVE_NVRX = False
 try:  # NVRx's class when it is installed, so NVRx's LocalCheckpointManager accepts ours
-    from nvidia_resiliency_ext.checkpointing.local import base_state_dict as _nvrx  # type: ignore[import-not-found]
+    _nvrx = importlib.import_module("nvidia_resiliency_ext.checkpointing.local.base_state_dict")
 
     TensorAwareStateDict = _nvrx.TensorAwareStateDict
     HAVE_NVRX = True
@@ -134,7 +135,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             return
         my_rank = dist.get_rank(parallelization_group)
         for sh_base in nested_values(sharded_part):
-            if isinstance(sh_base, ShardedTensor) and shard_to_saving_rank[_sharded_tensor_shard_id(sh_base)] != my_rank:
+            if not isinstance(sh_base, ShardedTensor):
+                continue
+            if shard_to_saving_rank[_sharded_tensor_shard_id(sh_base)] != my_rank:
                 sh_base.data = None  # another rank of the group keeps this replica
 
     @classmethod
