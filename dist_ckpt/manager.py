@@ -384,7 +384,9 @@ class CheckpointManager:
         candidates = self._coordinators_candidates()
         if self.local is not None:
             local_step = self.local.find_latest()
-            newest_persistent = max((c for c in candidates if isinstance(c, int)), default=-1)
+            # the persistent step a resume would take (the tracker's: after a rollback a higher
+            # step of the abandoned branch may exist, and is older)
+            newest_persistent = candidates[0] if candidates and isinstance(candidates[0], int) else -1
             if local_step > newest_persistent:
                 try:
                     result = self.local.load(sharded_state_dict)

@@ -270,11 +270,11 @@ class LocalCheckpointManager:
 
     # -- cleanup -------------------------------------------------------------------------------------
 
-    def _parts(self, include_dirty: bool = True) -> List[Tuple[int, Path]]:
+    def _parts(self) -> List[Tuple[int, Path]]:
+        """(iteration, path) of every part here, complete or ``.dirty``."""
         if not self.local_ckpt_dir.is_dir():
             return []
-        pattern = re.compile(r"iter_(\d+)_\d+_local\.pt(%s)?" % re.escape(DIRTY_SUFFIX) if include_dirty
-                             else r"iter_(\d+)_\d+_local\.pt")
+        pattern = re.compile(r"iter_(\d+)_\d+_local\.pt(%s)?" % re.escape(DIRTY_SUFFIX))
         out = []
         for entry in self.local_ckpt_dir.iterdir():
             match = pattern.fullmatch(entry.name)
