@@ -108,6 +108,26 @@ class _NotAllowed:
     pass
 
 
+def test_a_part_published_meanwhile_is_never_replaced(tmp_path):
+    """A copy arriving from a peer while something else puts a file at the part's name
+    (interposed between the copy's start and its end; dist_ckpt's own writers cannot, their
+    ``.dirty`` names collide first): the file already there stays, byte for byte."""
+    from dist_ckpt.storage.local_parts import PartReceiver
+
+    incoming = write_part(tmp_path / "incoming.pt", {"who": "peer"}, [torch.zeros(4)])
+    receiver = PartReceiver(tmp_path / "p.pt", incoming.size)
+    with pytest.raises(CheckpointExistsError, match="in progress"):  # our own writers: refused at once
+        write_part(tmp_path / "p.pt", {"who": "second"}, [torch.ones(4)])
+    receiver.write(memoryview((tmp_path / "incoming.pt").read_bytes()))
+    write_part(tmp_path / "other.pt", {"who": "first"}, [torch.ones(4)])
+    shutil.copy(tmp_path / "other.pt", tmp_path / "p.pt")  # e.g. an operator restoring a backup
+    first = (tmp_path / "p.pt").read_bytes()
+    with pytest.raises(CheckpointExistsError, match="another writer"):
+        receiver.finish(incoming.digest)
+    assert (tmp_path / "p.pt").read_bytes() == first and read_part(tmp_path / "p.pt")[0] == {"who": "first"}
+    assert not list(tmp_path.glob("*.dirty"))
+
+
 # -- the clique rule -----------------------------------------------------------------------------------
 
 

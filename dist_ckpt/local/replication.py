@@ -233,7 +233,11 @@ class CliqueReplicationStrategy:
         if not intact:
             receiver.abort()
             return False
-        return receiver.finish(digest & ((1 << 64) - 1))
+        try:
+            return receiver.finish(digest & ((1 << 64) - 1))
+        except CheckpointingException as e:  # another writer published this part meanwhile: theirs stays
+            logger.warning("rank %s's part of iteration %s not kept at %s: %s", owner, iteration, path, e)
+            return False
 
     # -- load: a missing part fetched from a member that holds a copy -------------------------------
 

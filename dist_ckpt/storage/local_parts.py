@@ -135,11 +135,27 @@ def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor]) -> PartF
             out.write(table)
             out.write(_TRAILER.pack(table_offset, len(table), int(hash_bytes(table), 16), MAGIC))
             size, digest = out.pos, out.hasher.intdigest()
-        os.rename(dirty, path)
+        _publish(dirty, path)
     except BaseException:
         _unlink_quietly(dirty)
         raise
     return PartFile(path, size, digest)
+
+
+def _publish(dirty: Path, path: Path) -> None:
+    """Give the complete ``dirty`` file its final name, never replacing a part another writer
+    published meanwhile (a hard link fails if the name exists; a rename would replace it)."""
+    try:
+        os.link(dirty, path)
+    except FileExistsError:
+        raise CheckpointExistsError(f"local checkpoint part {path} was written by another writer meanwhile; "
+                                    f"it is kept, this copy is dropped") from None
+    except OSError:  # a file system without hard links: the rename, after a last look
+        if path.exists():
+            raise CheckpointExistsError(f"local checkpoint part {path} was written by another writer meanwhile")
+        os.rename(dirty, path)
+        return
+    os.unlink(dirty)
 
 
 class _Collect:
@@ -296,8 +312,12 @@ class PartReceiver:
         """Rename into place if complete and intact; otherwise remove it. True if kept."""
         self._file.close()
         if self._received == self.size and self._hasher.intdigest() == digest:
-            os.rename(self._dirty, self.path)
-            return True
+            try:
+                _publish(self._dirty, self.path)
+                return True
+            except BaseException:
+                _unlink_quietly(self._dirty)
+                raise
         _unlink_quietly(self._dirty)
         return False
 
