@@ -9,12 +9,16 @@ the command ends with "interrupted" and exit code 130 instead of starting.
 
 import signal
 import sys
+import warnings
 from typing import List
 
 __all__ = ["main"]
 
 
 def main() -> int:
+    # torch prints a FutureWarning on import wherever the deprecated ``pynvml`` package is
+    # installed (as on many GPU machines): not about this command, so the command leaves it out
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
     received: List[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
