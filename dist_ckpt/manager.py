@@ -223,7 +223,9 @@ class CheckpointManager:
         return None
 
     def _save_local(self, step: Step, sharded_state_dict: ShardedStateDict, use_async: bool) -> None:
-        assert self.local is not None and isinstance(step, int)
+        if self.local is None or not isinstance(step, int):
+            raise CheckpointingException(f"step {step!r} cannot be saved to a local tier (none configured, or not "
+                                         f"an int step)")
         try:
             request = self.local.save(step, sharded_state_dict, use_async)
         except Exception as e:  # every rank raises the same error

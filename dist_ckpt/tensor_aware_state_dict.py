@@ -186,8 +186,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         _require(not self.is_hollow, "pop_tensors: the tensors were popped already")
         result = []
         for sh_ten in self._sharded_tensors:
-            data = sh_ten.data
-            assert data is not None
+            data = sh_ten.require_data()
             result.append(data)
             sh_ten.orig_device = data.device.type  # type: ignore[attr-defined]  # Megatron-Core's marker
             sh_ten.data = None
@@ -214,8 +213,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         them while the copies are written)."""
         _require(not self.is_hollow, "copy_tensors_to_cpu: the tensors were popped")
         for sh_ten in self._sharded_tensors:
-            data = sh_ten.data
-            assert data is not None
+            data = sh_ten.require_data()
             if data.device.type == "cpu":
                 if not hasattr(sh_ten, "orig_device"):  # not a copy made here already
                     sh_ten.data = data.detach().clone()
@@ -228,8 +226,7 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         _require(not self.is_hollow, "restore_tensor_device: the tensors were popped")
         for sh_ten in self._sharded_tensors:
             if hasattr(sh_ten, "orig_device"):
-                assert sh_ten.data is not None
-                sh_ten.data = sh_ten.data.to(sh_ten.orig_device, non_blocking=non_blocking)
+                sh_ten.data = sh_ten.require_data().to(sh_ten.orig_device, non_blocking=non_blocking)
                 delattr(sh_ten, "orig_device")
 
     def _insert_sharded_data(self, fully_parallel: bool, sharded_part: ShardedStateDict,

@@ -184,12 +184,11 @@ class LocalCheckpointManager:
                 self.repl_strategy.retrieve(iteration, loaded is not None, held, own_path, use_own)
         outcomes = DistWrapper().all_gather_object(None if loaded is not None else problem)
         failed = {r: p for r, p in enumerate(outcomes) if p is not None}
-        if failed:
+        if failed or loaded is None:
             raise NoReplicasAvailableError(
                 f"local checkpoint iteration {iteration} cannot be restored: no verified part for rank(s) "
                 f"{sorted(failed)} ({'; '.join(f'rank {r}: {p}' for r, p in sorted(failed.items()))}); "
                 f"load the persistent checkpoint instead")
-        assert loaded is not None
         state, tensors = loaded
         if not isinstance(state, TensorAwareStateDict):
             raise CheckpointingException(f"{own_path} holds a {type(state).__name__}, not a TensorAwareStateDict")

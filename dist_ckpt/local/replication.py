@@ -21,7 +21,7 @@ import os
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,8 @@ class CliqueReplicationStrategy:
             group = dist.new_group(ranks, backend="gloo", timeout=timeout)
             if me in ranks:
                 mine = (group, ranks)
-        assert mine[0] is not None
+        if mine[0] is None:
+            raise ReplicationConfigError(f"rank {me} is in none of the cliques {cliques}")
         return cls(mine[0], "cpu", mine[1])
 
     # -- save: every member's part to every other member ----------------------------------------
@@ -253,8 +254,7 @@ class CliqueReplicationStrategy:
         statuses: List[Optional[Tuple[bool, List[int]]]] = [None] * len(self.ranks)
         dist.all_gather_object(statuses, (own_ok, sorted(held)), group=self.local_group)
         still_missing = []
-        for needy, status in zip(self.ranks, statuses):
-            assert status is not None
+        for needy, status in zip(self.ranks, cast(List[Tuple[bool, List[int]]], statuses)):
             if status[0]:
                 continue
             holders = [r for r, s in zip(self.ranks, statuses) if r != needy and s is not None and needy in s[1]]
