@@ -6,8 +6,12 @@ a save that fails on one rank, 4 ranks as 2 "nodes" losing a node or a whole cli
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import os
 import shutil
+import struct
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ import torch
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, UnsafePickleError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.integrity.manifest import hash_bytes
 from dist_ckpt.local import NoReplicasAvailableError, ReplicationConfigError, parse_group_sequence
 from dist_ckpt.storage.local_parts import read_part, write_part
 from dist_helpers import run_distributed
@@ -40,6 +45,46 @@ def test_part_round_trip_is_bit_exact(tmp_path):
     for original, back in zip(tensors, loaded):
         assert back.dtype == original.dtype and back.shape == original.shape
         assert tensors_bitwise_equal(back, original.contiguous())
+
+
+def test_tensors_left_in_the_state_come_back_as_they_were(tmp_path):
+    """Tensors the state still holds (RNG states, a non-sharded buffer) are stored beside it and
+    verified like the model's; a Parameter stays a Parameter, requires_grad is kept."""
+    rng = torch.get_rng_state()
+    state = {"rng": rng, "param": torch.nn.Parameter(torch.arange(4.0)), "frozen": torch.nn.Parameter(
+        torch.ones(2), requires_grad=False), "grad": torch.zeros(3, requires_grad=True), "view": rng[:8],
+        "args": argparse.Namespace(lr=0.1, dtype=torch.bfloat16, device=torch.device("cpu"))}
+    write_part(tmp_path / "p.pt", state, [torch.ones(2)])
+    back, _ = read_part(tmp_path / "p.pt")
+    assert tensors_bitwise_equal(back["rng"], rng) and tensors_bitwise_equal(back["view"], rng[:8])
+    assert isinstance(back["param"], torch.nn.Parameter) and back["param"].requires_grad
+    assert isinstance(back["frozen"], torch.nn.Parameter) and not back["frozen"].requires_grad
+    assert type(back["grad"]) is torch.Tensor and back["grad"].requires_grad
+    assert back["args"] == state["args"]
+
+
+def test_parts_of_format_version_1_still_load(tmp_path):
+    """Version 1 (state as a torch.save, before stop 29) left in /dev/shm by the previous
+    dist_ckpt: a restart after the upgrade still resumes from it."""
+    tensor, state_sink = torch.arange(6, dtype=torch.int32), io.BytesIO()
+    torch.save({"step": 7, "rng": torch.ones(3)}, state_sink)
+    state_bytes, data = state_sink.getvalue(), tensor.numpy().tobytes()
+    body = b"DCKLOCAL" + struct.pack("<II", 1, 0) + bytes(48) + data
+
+    def part(shape):
+        table = json.dumps({"state": [len(body), len(state_bytes), hash_bytes(state_bytes)],
+                            "tensors": [["int32", shape, 64, len(data), hash_bytes(data)]]}).encode()
+        start = len(body) + len(state_bytes)
+        return body + state_bytes + table + struct.pack("<QQQ8s", start, len(table), int(hash_bytes(table), 16),
+                                                        b"DCKLOCAL")
+
+    (tmp_path / "v1.pt").write_bytes(part([6]))
+    state, tensors = read_part(tmp_path / "v1.pt")
+    assert state["step"] == 7 and torch.equal(state["rng"], torch.ones(3)) and torch.equal(tensors[0], tensor)
+    # a table whose checksum matches but whose shape is not its bytes: refused before allocating
+    (tmp_path / "crafted.pt").write_bytes(part([10**12]))
+    with pytest.raises(CorruptCheckpointError, match=r"crafted.pt: its table cannot be read .*does not have 24 bytes"):
+        read_part(tmp_path / "crafted.pt")
 
 
 def test_part_tensors_read_straight_into_destinations(tmp_path):
@@ -83,7 +128,12 @@ def test_every_damaged_byte_is_found(tmp_path):
             continue
         # only alignment padding may change without notice, and then nothing read changes
         assert state2 == state and all(tensors_bitwise_equal(a, b) for a, b in zip(tensors, tensors2)), position
-    assert covered > 0.9 * len(good)
+    # every byte but the alignment padding and the preamble's reserved word is covered: magic,
+    # version, the ranges the table names, table, trailer
+    table_offset, table_len = struct.unpack_from("<QQ", good, len(good) - 32)
+    table = json.loads(good[table_offset:table_offset + table_len])
+    used = 12 + sum(e[3] for e in table["tensors"] + table["state_tensors"]) + table["state"][1] + table_len + 32
+    assert covered == used, (covered, used, len(good))
     for cut in (0, 10, len(good) // 2, len(good) - 1):
         (tmp_path / "t.pt").write_bytes(good[:cut])
         with pytest.raises(CorruptCheckpointError, match="t.pt"):
@@ -98,7 +148,11 @@ def test_parts_are_written_once_and_unpickled_safely(tmp_path):
     with pytest.raises(CheckpointExistsError, match="in progress"):
         write_part(tmp_path / "q.pt", {}, [torch.zeros(1)])
     assert read_part(tmp_path / "p.pt")[1][0].item() == 1.0
-    write_part(tmp_path / "evil.pt", {"x": _NotAllowed()}, [])
+    # a state a restart could not unpickle fails the save, not the restart
+    with pytest.raises(UnsafePickleError, match="_NotAllowed"):
+        write_part(tmp_path / "evil.pt", {"x": _NotAllowed()}, [])
+    assert not list(tmp_path.glob("evil*"))
+    write_part(tmp_path / "evil.pt", {"x": _NotAllowed()}, [], allowed_globals=[_NotAllowed])
     with pytest.raises(UnsafePickleError, match="_NotAllowed"):
         read_part(tmp_path / "evil.pt")
     assert isinstance(read_part(tmp_path / "evil.pt", allowed_globals=[_NotAllowed])[0]["x"], _NotAllowed)

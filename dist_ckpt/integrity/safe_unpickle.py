@@ -29,7 +29,7 @@ import pickle
 import re
 import threading
 import types
-from typing import IO, Any, Dict, Iterable, Iterator, List, Union
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ __all__ = [
     "safe_torch_load",
     "safe_pickle_load",
     "plain_pickle_builtins",
+    "globals_by_name",
 ]
 
 _lock = threading.Lock()
@@ -284,28 +285,49 @@ def _object_reconstructor(cls: type, base: type, state: Any) -> Any:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: IO[bytes], allowed: Dict[str, Any]) -> None:
+    """The C unpickler, resolving only allowlisted globals (and the framework enums); tensors
+    a pickler took out as persistent ids come from ``persistent_load``."""
+
+    def __init__(self, file: IO[bytes], allowed: Dict[str, Any],
+                 persistent_load: Optional[Callable[[Any], Any]] = None) -> None:
         super().__init__(file)
         self._allowed = allowed
+        if persistent_load is not None:
+            self.persistent_load = persistent_load  # type: ignore[method-assign]
 
     def find_class(self, module: str, name: str) -> Any:
         full = f"{module}.{name}"
         if full in self._allowed:
             return self._allowed[full]
+        enums = _allowed_enums([full])
+        if enums:
+            return enums[0][0]
         raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
 
 
-def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any]) -> Any:
+def globals_by_name(entries: Iterable[Any]) -> Dict[str, Any]:
+    """``{"module.qualname": object}`` for allowlist entries as ``add_safe_globals`` takes them
+    (objects, or ``(object, "module.name")`` pairs)."""
+    named: Dict[str, Any] = {}
+    for entry in entries:
+        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+        named.setdefault(name, obj)
+    return named
+
+
+def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any],
+                     persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
     """``pickle.load`` that resolves only the globals in ``allowed`` (full name -> object) and
     those of ``add_safe_globals``; ``what`` names the file in errors. Nothing else is imported
-    or called."""
+    or called. ``persistent_load`` resolves the pickle's persistent ids (e.g. tensors stored
+    beside it)."""
     if is_trusted_unpickling():
-        return pickle.load(file)
-    allowed = dict(allowed)
-    for entry in get_safe_globals():
-        obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
-        allowed.setdefault(name, obj)
+        unpickler = pickle.Unpickler(file)
+        if persistent_load is not None:
+            unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+        return unpickler.load()
+    allowed = {**globals_by_name(get_safe_globals()), **allowed}
     try:
-        return _RestrictedUnpickler(file, allowed).load()
+        return _RestrictedUnpickler(file, allowed, persistent_load).load()
     except _LOAD_ERRORS as e:
         raise _translate(what, e) from None

@@ -244,7 +244,7 @@ class LocalCheckpointManager:
             part: Optional[PartFile] = None
             error: Optional[BaseException] = None
             try:
-                part = write_part(self._local_ckpt_path_from_id(ckpt_id), state, tensors)
+                part = write_part(self._local_ckpt_path_from_id(ckpt_id), state, tensors, self.allowed_globals)
             except CheckpointExistsError:
                 error = SameMachineReplicationException(ckpt_id)
             except Exception as e:  # noqa: BLE001 - still take part in the transfers, then raise

@@ -12,20 +12,26 @@ silently bad replica).
 Layout (little-endian), chosen so a reader can verify without trusting anything first::
 
     b"DCKLOCAL" u32 version u32 reserved          16 bytes
-    tensor bytes, each at a 64-byte aligned offset  (views on load, no second copy)
-    state: torch.save(<the state without its tensors>)
-    table: JSON {"state": [offset, length, xxh3], "tensors": [[dtype, shape, offset, length, xxh3], ...]}
+    tensor bytes, each at a 64-byte aligned offset  (read straight into the model's tensors)
+    the state's own tensors' bytes, the same way    (tensors left in the common state, RNG states)
+    state: pickle protocol 5 of the state without its tensors, each tensor a persistent id
+    table: JSON {"state": [offset, length, xxh3],
+                 "tensors": [[dtype, shape, offset, length, xxh3], ...],
+                 "state_tensors": [[dtype, shape, offset, length, xxh3, kind], ...]}
     trailer: u64 table offset, u64 table length, u64 xxh3 of the table, b"DCKLOCAL"
 
 Verification reads JSON and hashes bytes, nothing is unpickled before every checksum matched;
-the state is then unpickled with dist_ckpt's allowlist plus the classes the caller names.
-Checksums are ``integrity.manifest``'s xxh3.
+the state is then unpickled by the C unpickler with dist_ckpt's allowlist plus the classes the
+caller names (version 1 parts, whose state is a ``torch.save``, by torch's weights-only
+unpickler, five times slower for a model's hollow state). Checksums are ``integrity.manifest``'s xxh3.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +39,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from ..core import CheckpointExistsError, CorruptCheckpointError
+from ..core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError
 from ..integrity.manifest import hash_bytes, new_hasher
-from ..integrity.safe_unpickle import safe_torch_load
+from ..integrity.safe_unpickle import globals_by_name, plain_pickle_builtins, safe_pickle_load, safe_torch_load
 
 __all__ = [
     "DIRTY_SUFFIX",
@@ -48,7 +54,9 @@ __all__ = [
 ]
 
 MAGIC = b"DCKLOCAL"
-VERSION = 1
+VERSION = 2  # 1: the state as a torch.save (still read)
+_READABLE_VERSIONS = (1, 2)
+_PICKLE_PROTOCOL = 5  # fixed: the same state gives the same bytes
 DIRTY_SUFFIX = ".dirty"  # a part being written; never read, removed by cleanup
 _PREAMBLE = struct.Struct("<8sII")
 _TRAILER = struct.Struct("<QQQ8s")
@@ -95,15 +103,24 @@ class _HashingFile:
             self.write(bytes(offset - self.pos))
 
 
-def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor]) -> PartFile:
-    """Write ``state`` (anything ``torch.save`` pickles; its tensors taken out beforehand) and
-    ``tensors`` to ``path``: first to ``path + ".dirty"``, opened exclusively (a second writer
-    of the same part fails with ``CheckpointExistsError`` instead of interleaving), renamed to
-    ``path`` once complete. Not fsynced: the local tier survives process death through the
-    page cache or tmpfs, and node loss through replicas; a torn file is caught by the checksums.
+def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor],
+               allowed_globals: Iterable[Any] = ()) -> PartFile:
+    """Write ``state`` (picklable; the model's tensors taken out beforehand into ``tensors``,
+    any it still holds are stored beside it) and ``tensors`` to ``path``: first to
+    ``path + ".dirty"``, opened exclusively (a second writer of the same part fails with
+    ``CheckpointExistsError`` instead of interleaving), renamed to ``path`` once complete. Not
+    fsynced: the local tier survives process death through the page cache or tmpfs, and node
+    loss through replicas; a torn file is caught by the checksums.
+
+    The state is unpickled once here with the allowlist ``read_part`` uses (and
+    ``allowed_globals``): a state that a restart could not load fails this save with
+    ``UnsafePickleError`` naming the class, instead of failing the restart.
     """
     path = Path(path)
     dirty = path.with_name(path.name + DIRTY_SUFFIX)
+    state_bytes, state_tensors = _pickle_state(state)
+    _unpickle_state(state_bytes, state_tensors, f"local checkpoint part {path} (checked before writing)",
+                    allowed_globals)
     if path.exists():
         raise CheckpointExistsError(f"local checkpoint part {path} already exists; it is not overwritten")
     try:
@@ -117,20 +134,12 @@ def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor]) -> PartF
         with raw:
             out = _HashingFile(raw)
             out.write(_PREAMBLE.pack(MAGIC, VERSION, 0))
-            tensor_table = []
-            for tensor in tensors:
-                data = _as_bytes(tensor)
-                out.pad_to(_aligned(out.pos))
-                offset = out.pos
-                out.write(data)
-                tensor_table.append([str(tensor.dtype).replace("torch.", ""), list(tensor.shape), offset, len(data),
-                                     hash_bytes(data)])
-            state_sink = _Collect()
-            torch.save(state, state_sink)  # type: ignore[arg-type]  # a write-only sink
-            state_bytes = state_sink.getvalue()
+            tensor_table = [_write_tensor(out, tensor) for tensor in tensors]
+            state_tensor_table = [_write_tensor(out, tensor) + [_tensor_kind(tensor)] for tensor in state_tensors]
             state_entry = [out.pos, len(state_bytes), hash_bytes(state_bytes)]
             out.write(state_bytes)
-            table = json.dumps({"state": state_entry, "tensors": tensor_table}).encode()
+            table = json.dumps({"state": state_entry, "tensors": tensor_table,
+                                "state_tensors": state_tensor_table}).encode()
             table_offset = out.pos
             out.write(table)
             out.write(_TRAILER.pack(table_offset, len(table), int(hash_bytes(table), 16), MAGIC))
@@ -140,6 +149,69 @@ def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor]) -> PartF
         _unlink_quietly(dirty)
         raise
     return PartFile(path, size, digest)
+
+
+def _write_tensor(out: _HashingFile, tensor: torch.Tensor) -> List[Any]:
+    """Append ``tensor``'s bytes at the next aligned offset; its table entry."""
+    data = _as_bytes(tensor)
+    out.pad_to(_aligned(out.pos))
+    offset = out.pos
+    out.write(data)
+    return [str(tensor.dtype).replace("torch.", ""), list(tensor.shape), offset, len(data), hash_bytes(data)]
+
+
+# How a tensor left in the state comes back: its class and whether it requires grad.
+_KINDS = {"tensor": (False, False), "tensor_grad": (False, True), "parameter": (True, False),
+          "parameter_grad": (True, True)}
+
+
+def _tensor_kind(tensor: torch.Tensor) -> str:
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    return next(k for k, v in _KINDS.items() if v == (parameter, tensor.requires_grad))
+
+
+class _StatePickler(pickle.Pickler):
+    """Pickles the state with every tensor in it taken out (a persistent id: its index among
+    the state's tensors), so the state unpickles with the C unpickler and an allowlist of plain
+    classes, and its tensors are stored and verified like the model's."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self.tensors: List[torch.Tensor] = []
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            self.tensors.append(obj)
+            return len(self.tensors) - 1
+        return None
+
+
+def _pickle_state(state: Any) -> Tuple[bytes, List[torch.Tensor]]:
+    buffer = io.BytesIO()
+    pickler = _StatePickler(buffer)
+    try:
+        pickler.dump(state)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise CheckpointingException(f"the state cannot be saved in the local tier: it does not pickle ({e})") from e
+    return buffer.getvalue(), pickler.tensors
+
+
+def _unpickle_state(state_bytes: bytes, tensors: Sequence[torch.Tensor], what: str,
+                    allowed_globals: Iterable[Any]) -> Any:
+    """The state of a version 2 part (its tensors already read and verified)."""
+
+    def tensor(pid: Any) -> torch.Tensor:
+        if not isinstance(pid, int) or not 0 <= pid < len(tensors):
+            raise pickle.UnpicklingError(f"persistent id {pid!r} names no tensor of the part")
+        return tensors[pid]
+
+    allowed = {**plain_pickle_builtins(), **_STATE_BUILTINS, **globals_by_name(allowed_globals)}
+    return safe_pickle_load(io.BytesIO(state_bytes), what, allowed, persistent_load=tensor)
+
+
+# Bounded constructors a state's containers use (``defaultdict(list)``), and torch devices.
+_STATE_BUILTINS: Dict[str, Any] = {f"builtins.{t.__name__}": t for t in (list, dict, tuple, int, float, str, bool)}
+_STATE_BUILTINS["torch.device"] = torch.device
 
 
 def _publish(dirty: Path, path: Path) -> None:
@@ -156,24 +228,6 @@ def _publish(dirty: Path, path: Path) -> None:
         os.rename(dirty, path)
         return
     os.unlink(dirty)
-
-
-class _Collect:
-    """A write-only byte sink for torch.save (a BytesIO without the seek torch does not need)."""
-
-    def __init__(self) -> None:
-        self._chunks: List[bytes] = []
-
-    def write(self, data: Any) -> int:
-        chunk = bytes(data)
-        self._chunks.append(chunk)
-        return len(chunk)
-
-    def flush(self) -> None:
-        pass
-
-    def getvalue(self) -> bytes:
-        return b"".join(self._chunks)
 
 
 Destination = Callable[[Any, int, torch.dtype, Tuple[int, ...]], Optional[torch.Tensor]]
@@ -198,26 +252,46 @@ def read_part(path: Path, allowed_globals: Iterable[Any] = (),
             _pread_into(fd, buffer, offset, where)
             return buffer
 
-        table = _frame(size, read_at, where)
-        offset, length, digest = table["state"]
-        state_bytes = read_at(offset, length)
-        if hash_bytes(state_bytes) != digest:
-            raise CorruptCheckpointError(f"local checkpoint part {where}: the state ({length} bytes at offset "
-                                         f"{offset}) fails its checksum")
-        state = _unpickle_state(bytes(state_bytes), where, allowed_globals)
-        tensors = []
-        for i, (dtype_name, shape, offset, nbytes, digest) in enumerate(table["tensors"]):
+        def read_tensor(what: str, entry: List[Any], target: Optional[torch.Tensor]) -> torch.Tensor:
+            dtype_name, shape, offset, nbytes, digest = entry[:5]
             dtype, shape = getattr(torch, dtype_name), tuple(shape)
-            target = destination(state, i, dtype, shape) if destination is not None else None
             if target is None or not _fits(target, dtype, shape):
                 target = torch.empty(shape, dtype=dtype)
             view = _writable_bytes(target)
             _pread_into(fd, view, offset, where)
             if hash_bytes(view) != digest:
-                raise CorruptCheckpointError(f"local checkpoint part {where}: tensor {i} ({nbytes} bytes at offset "
+                raise CorruptCheckpointError(f"local checkpoint part {where}: {what} ({nbytes} bytes at offset "
                                              f"{offset}) fails its checksum")
-            tensors.append(target)
+            return target
+
+        version, table = _frame(size, read_at, where)
+        offset, length, digest = table["state"]
+        state_bytes = read_at(offset, length)
+        if hash_bytes(state_bytes) != digest:
+            raise CorruptCheckpointError(f"local checkpoint part {where}: the state ({length} bytes at offset "
+                                         f"{offset}) fails its checksum")
+        what = f"the state in local checkpoint part {where}"
+        if version == 1:
+            state = safe_torch_load(bytes(state_bytes), what=what, extra_globals=allowed_globals)
+        else:
+            state_tensors = [_as_kind(read_tensor(f"state tensor {i}", entry, None), entry[5], where)
+                             for i, entry in enumerate(table["state_tensors"])]
+            state = _unpickle_state(bytes(state_bytes), state_tensors, what, allowed_globals)
+        tensors = []
+        for i, entry in enumerate(table["tensors"]):
+            dtype, shape = getattr(torch, entry[0]), tuple(entry[1])
+            target = destination(state, i, dtype, shape) if destination is not None else None
+            tensors.append(read_tensor(f"tensor {i}", entry, target))
     return state, tensors
+
+
+def _as_kind(tensor: torch.Tensor, kind: Any, where: str) -> torch.Tensor:
+    if kind not in _KINDS:
+        raise CorruptCheckpointError(f"local checkpoint part {where}: unknown tensor kind {kind!r}")
+    parameter, requires_grad = _KINDS[kind]
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
@@ -241,9 +315,9 @@ def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
         got += n
 
 
-def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[str, Any]:
-    """The table of a part of ``size`` bytes, after checking its framing and the table's checksum
-    and that every range it names lies inside the data."""
+def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Tuple[int, Dict[str, Any]]:
+    """(format version, table) of a part of ``size`` bytes, after checking its framing and the
+    table's checksum and that every range it names lies inside the data."""
     what = f"local checkpoint part {where}"
     if size < _PREAMBLE.size + _TRAILER.size:
         raise CorruptCheckpointError(f"{what} is truncated ({size} bytes)")
@@ -251,8 +325,9 @@ def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[st
     table_offset, table_len, table_digest, tail = _TRAILER.unpack_from(read_at(size - _TRAILER.size, _TRAILER.size), 0)
     if magic != MAGIC or tail != MAGIC:
         raise CorruptCheckpointError(f"{what} is not a complete dist_ckpt local part (truncated or overwritten)")
-    if version != VERSION:
-        raise CorruptCheckpointError(f"{what} has format version {version}; this dist_ckpt reads {VERSION}")
+    if version not in _READABLE_VERSIONS:
+        raise CorruptCheckpointError(f"{what} has format version {version}; this dist_ckpt reads versions "
+                                     f"{', '.join(map(str, _READABLE_VERSIONS))}")
     if table_offset + table_len != size - _TRAILER.size:
         raise CorruptCheckpointError(f"{what} has an inconsistent trailer")
     raw_table = read_at(table_offset, table_len)
@@ -260,18 +335,36 @@ def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Dict[st
         raise CorruptCheckpointError(f"{what}: its table fails its checksum")
     try:
         table = json.loads(bytes(raw_table))
-        ranges = [table["state"]] + [entry[2:] for entry in table["tensors"]]
+        table.setdefault("state_tensors", [])  # version 1 stored them in its torch.save
+        for entry in table["tensors"]:
+            _check_tensor_entry(entry, 5)
+        for entry in table["state_tensors"]:
+            _check_tensor_entry(entry, 6)
+        ranges = [table["state"]] + [entry[2:5] for entry in table["tensors"] + table["state_tensors"]]
         outside = any(offset < _PREAMBLE.size or offset + length > table_offset for offset, length, _ in ranges)
     except (ValueError, KeyError, TypeError) as e:
         raise CorruptCheckpointError(f"{what}: its table cannot be read ({e})") from None
     if outside:
         raise CorruptCheckpointError(f"{what}: its table names bytes outside the data")
-    return table
+    return version, table
 
 
-def _unpickle_state(state_bytes: bytes, where: str, allowed_globals: Iterable[Any]) -> Any:
-    return safe_torch_load(state_bytes, what=f"the state in local checkpoint part {where}",
-                           extra_globals=allowed_globals)
+def _check_tensor_entry(entry: Any, fields: int) -> None:
+    """A tensor's table entry names a torch dtype and a shape whose size is its byte count
+    (so a reader allocates only what the file holds); ValueError otherwise."""
+    if not isinstance(entry, list) or len(entry) != fields:
+        raise ValueError(f"a tensor entry is not a list of {fields} fields: {entry!r}")
+    dtype = getattr(torch, entry[0], None) if isinstance(entry[0], str) else None
+    shape = entry[1]
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{entry[0]!r} is not a torch dtype")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"{shape!r} is not a shape")
+    numel = 1
+    for n in shape:
+        numel *= n
+    if numel * dtype.itemsize != entry[3]:
+        raise ValueError(f"a {entry[0]} tensor of shape {shape} does not have {entry[3]} bytes")
 
 
 def _unlink_quietly(path: Path) -> None:
