@@ -189,16 +189,21 @@ class CliqueReplicationStrategy:
             size = os.fstat(source.fileno()).st_size
             self._header([1, iteration, size], me)
             intact, hasher = 1, new_hasher()
-            buffer = torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8)
-            for start in range(0, size, CHUNK_BYTES):
-                chunk = buffer[: min(CHUNK_BYTES, size - start)]
+            buffers = _chunk_buffers(size)
+            in_flight = None  # the previous chunk's broadcast, while this one is read
+            for index, start in enumerate(range(0, size, CHUNK_BYTES)):
+                chunk = buffers[index % 2][: min(CHUNK_BYTES, size - start)]
                 if intact:
                     view = chunk.numpy().data
                     if source.readinto(view) != len(view):
                         logger.warning("local part %s shrank while sent", path)
                         intact = 0
                     hasher.update(view)
-                dist.broadcast(chunk, src=me, group=self.local_group)
+                if in_flight is not None:
+                    in_flight.wait()
+                in_flight = dist.broadcast(chunk, src=me, group=self.local_group, async_op=True)
+            if in_flight is not None:
+                in_flight.wait()
         digest = written.digest if written is not None else hasher.intdigest()
         self._header([intact, _signed(digest)], me)
 
@@ -217,13 +222,18 @@ class CliqueReplicationStrategy:
                 receiver = PartReceiver(path, size)
             except (OSError, CheckpointingException) as e:
                 logger.warning("cannot keep rank %s's part of iteration %s at %s: %s", owner, iteration, path, e)
-        buffer = torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8)
+        buffers = _chunk_buffers(size)
         try:
-            for start in range(0, size, CHUNK_BYTES):
-                chunk = buffer[: min(CHUNK_BYTES, size - start)]
-                dist.broadcast(chunk, src=owner, group=self.local_group)
-                if receiver is not None:
-                    receiver.write(chunk.numpy().data)
+            received = None  # the previous chunk, written while this one arrives
+            for index, start in enumerate(range(0, size, CHUNK_BYTES)):
+                chunk = buffers[index % 2][: min(CHUNK_BYTES, size - start)]
+                arriving = dist.broadcast(chunk, src=owner, group=self.local_group, async_op=True)
+                if receiver is not None and received is not None:
+                    receiver.write(received.numpy().data)
+                arriving.wait()
+                received = chunk
+            if receiver is not None and received is not None:
+                receiver.write(received.numpy().data)
             intact, digest = self._header([0, 0], owner)
         except BaseException:
             if receiver is not None:
@@ -278,6 +288,11 @@ class CliqueReplicationStrategy:
             if not got:
                 still_missing.append(needy)
         return still_missing
+
+
+def _chunk_buffers(size: int) -> List[torch.Tensor]:
+    """Two chunk buffers: one on the wire while the other is read from or written to disk."""
+    return [torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8) for _ in range(2)]
 
 
 class LazyCliqueReplicationStrategy:
