@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Tuple
 
-from .dict_utils import dict_list_map_inplace, extract_matching_values
+from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .mapping import (
     ShardedStateDict,
     ShardedTensor,
@@ -22,7 +22,7 @@ from .mapping import (
 from .runtime.collectives import DistWrapper
 from .serialization import compare_common_state_dicts
 from .utils import extract_nonpersistent, extract_sharded_base
-from .validation import determine_global_metadata, validate_sharding_integrity
+from .validation import check_requests_on_coordinator
 
 __all__ = ["save_preprocess", "load_preprocess", "filter_out_empty_flatten_tensor"]
 
@@ -55,7 +55,8 @@ def save_preprocess(
         dist = DistWrapper()
         if dist.world_size > 1:
             compare_common_state_dicts(dist, common_state_dict, preprocess_common_before_consistancy_check)
-        validate_sharding_integrity(determine_global_metadata(sharded_part)[1])
+        check_requests_on_coordinator(lambda: [sh.without_data() for sh in nested_values(sharded_part)],
+                                      validate_access_integrity=True, share_keys=False, dist=dist, loading=False)
     return sharded_part, common_state_dict
 
 

@@ -35,7 +35,7 @@ from .state_dict_utils import load_preprocess, save_preprocess
 from .utils import _sharded_object_id, _sharded_tensor_shard_id, debug_time, extract_sharded_base, zip_strict
 from .validation import (
     StrictHandling,
-    determine_global_metadata,
+    check_requests_on_coordinator,
     parse_strict_flag,
     validate_integrity_and_strict_load,
 )
@@ -283,11 +283,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
         ckpt_sharded_metadata = None
         if StrictHandling.requires_explicit_ckpt_mismatch_check(strict):
             ckpt_sharded_metadata = {sh.key: sh.without_data() for sh in nested_values(self.sharded_state_dict)}
-        local_metadata = global_metadata = None
+        local_metadata, requested_keys = None, None
         if validate_access_integrity or StrictHandling.requires_global_app_metadata(strict):
-            local_metadata, global_metadata = determine_global_metadata(sharded_part)
+            local_metadata = [sh.without_data() for sh in nested_values(sharded_part)]
+            requested_keys = check_requests_on_coordinator(  # checked there: no rank gets every rank's list
+                lambda: local_metadata, validate_access_integrity,
+                share_keys=StrictHandling.requires_global_app_metadata(strict))
         sharded_part, missing_keys, unexpected_keys = validate_integrity_and_strict_load(
-            sharded_part, strict, validate_access_integrity, local_metadata, global_metadata, ckpt_sharded_metadata)
+            sharded_part, strict, False, local_metadata, None, ckpt_sharded_metadata, requested_keys=requested_keys)
         self._insert_sharded_data(fully_parallel, sharded_part, parallelization_group, exchange_algo)
         sharded_part = apply_factory_merges(sharded_part, factories)
         merge(recreated, sharded_part)

@@ -18,7 +18,7 @@ import os
 from collections import defaultdict
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .core import (
     CONFIG_FNAME,
@@ -49,6 +49,7 @@ __all__ = [
     "maybe_report_missing_and_unexpected_keys",
     "adjust_non_strict_load",
     "determine_global_metadata",
+    "check_requests_on_coordinator",
     "validate_integrity_and_strict_load",
     "validate_sharded_objects_handling",
     "verify_checkpoint_and_load_strategy",
@@ -271,6 +272,26 @@ def determine_global_metadata(sharded_state_dict: ShardedStateDict) -> Tuple[Loc
     return local, DistWrapper().all_gather(lambda: local)
 
 
+def check_requests_on_coordinator(local_metadata_fn: Callable[[], Optional[LocalMetadata]],
+                                  validate_access_integrity: bool, share_keys: bool,
+                                  dist: Optional[DistWrapper] = None, loading: bool = True) -> Optional[Set[str]]:
+    """The access check (of a load; of a save with ``loading=False``) without an all-gather: each rank's request (``local_metadata_fn()``,
+    run here; None if nothing is to be checked) goes to the coordinator alone, which runs
+    ``validate_sharding_integrity`` (its error is raised on every rank) and, with ``share_keys``,
+    sends back the keys all ranks asked for (what the ``*_ALL`` strict modes need to find missing
+    keys). Collective. A rank receives one verdict and the key set, whatever the number of ranks
+    (``determine_global_metadata`` gives every rank every rank's list: N^2 in all)."""
+    dist = dist or DistWrapper()
+
+    def on_coordinator(everyone: List[Optional[LocalMetadata]]) -> Optional[Set[str]]:
+        lists = [md or [] for md in everyone]
+        if validate_access_integrity:
+            validate_sharding_integrity(lists, loading=loading)
+        return {sh.key for md in lists for sh in md} if share_keys else None
+
+    return dist.all_reduce(local_metadata_fn, on_coordinator)
+
+
 def validate_integrity_and_strict_load(
     sharded_state_dict: ShardedStateDict,
     strict: StrictHandling,
@@ -278,12 +299,14 @@ def validate_integrity_and_strict_load(
     local_metadata: Optional[LocalMetadata] = None,
     global_metadata: Optional[GlobalMetadata] = None,
     ckpt_sharded_metadata: Optional[Dict[str, ShardedBase]] = None,
+    requested_keys: Optional[Set[str]] = None,
 ) -> Tuple[ShardedStateDict, Set[str], Set[str]]:
     """Check a load request against itself (all ranks) and against the checkpoint.
 
     Returns (the request without unexpected keys, missing keys, unexpected keys); what is
     raised, logged or returned follows ``strict`` (see ``StrictHandling``). Missing keys need
-    ``global_metadata`` (the ``*_ALL`` modes); ``ckpt_sharded_metadata`` (from
+    ``global_metadata`` or the keys every rank requested (``requested_keys``, from
+    ``check_requests_on_coordinator``) in the ``*_ALL`` modes; ``ckpt_sharded_metadata`` (from
     ``load_sharded_metadata``) is needed by every mode but ``ASSUME_OK_UNEXPECTED``.
     """
     missing: Set[str] = set()
@@ -298,6 +321,8 @@ def validate_integrity_and_strict_load(
                                      StrictHandling.RAISE_UNEXPECTED, StrictHandling.RETURN_UNEXPECTED)
         missing, unexpected = determine_mismatched_keys(ckpt_keys, local_metadata,
                                                         None if only_unexpected else global_metadata)
+        if requested_keys is not None and not only_unexpected:
+            missing = ckpt_keys - requested_keys
         sharded_state_dict = adjust_non_strict_load(sharded_state_dict, unexpected)
         if strict == StrictHandling.IGNORE_ALL:
             missing, unexpected = set(), set()

@@ -232,6 +232,73 @@ def test_fully_parallel_load_sends_only_shards_another_rank_needs(tmp_path):
     assert counts[1] == {"broadcast": [64], "gather_object": []}, counts
 
 
+def _received_during_load(rank: int, world: int, root: str) -> dict:
+    """Bytes of object collectives this rank received during loads of 300 keys per rank (each
+    rank a row block of every tensor), with the access check and with the *_ALL strict mode
+    (which needs the keys every rank asked for); and the same check's error for a bad request."""
+    import torch.distributed as dist
+
+    shapes = {f"layer{i}.weight": ((world * 4, 8), torch.float32) for i in range(300)}
+    dist_ckpt.save(_state(rank, world, shapes, 0), f"{root}/ckpt")
+    real = {name: getattr(dist, name) for name in
+            ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")}
+    received = []
+
+    def spy(name):
+        def call(*args, **kwargs):
+            out = real[name](*args, **kwargs)
+            if name == "all_gather_object":
+                received.extend(len(pickle.dumps(o)) for i, o in enumerate(args[0]) if i != rank)
+            elif name == "gather_object" and args[1] is not None:  # the coordinator's
+                received.extend(len(pickle.dumps(o)) for i, o in enumerate(args[1]) if i != rank)
+            elif name == "broadcast_object_list" and kwargs.get("src", 0) != rank:
+                received.append(len(pickle.dumps(args[0])))
+            elif name == "scatter_object_list":
+                received.append(len(pickle.dumps(args[0])))
+            return out
+        return call
+
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(4, 8), (0, rank, world)) for k in shapes}
+    own_request_bytes = len(pickle.dumps([sh.without_data() for sh in request.values()]))
+    out = {"own_request": own_request_bytes}
+    for strict in ("assume_ok_unexpected", "return_all"):
+        received.clear()
+        for name in real:
+            setattr(dist, name, spy(name))
+        try:
+            loaded = dist_ckpt.load(request, f"{root}/ckpt", strict=strict)
+        finally:
+            for name, fn in real.items():
+                setattr(dist, name, fn)
+        if strict == "return_all":
+            loaded, missing, unexpected = loaded
+            assert missing == set() and unexpected == set()
+        assert all(tensors_bitwise_equal(loaded[k], _values(k, s, d, 0)[rank * 4:(rank + 1) * 4])
+                   for k, (s, d) in shapes.items())
+        out[strict] = sum(received)
+    overlapping = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(4, 8), (0, 0, world)) for k in shapes}
+    try:
+        dist_ckpt.load(overlapping, f"{root}/ckpt")
+    except dist_ckpt.ShardingError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_load_access_check_gives_no_rank_every_rank_request(tmp_path):
+    """Issue 22: a load's access check gathers the requests on the coordinator only (it sent
+    every rank's list to every rank: N^2 bytes in all, and each rank's share grew with N). On 3
+    ranks an ordinary rank receives less than its own request's size (it received twice that
+    before); the coordinator receives the others'; a bad request is still refused on every rank."""
+    results = run_distributed(_received_during_load, 3, str(tmp_path))
+    for rank, r in enumerate(results):
+        assert "layer0.weight" in r["error"] and "both hold the main replica" in r["error"], r["error"]
+        if rank == 0:
+            assert r["assume_ok_unexpected"] >= 2 * r["own_request"], r
+        else:  # a verdict, and the keys for the *_ALL modes: not the other ranks' shard lists
+            assert r["assume_ok_unexpected"] < r["own_request"] / 4, r
+            assert r["return_all"] < r["own_request"] / 2, r
+
+
 # -- async staging: reused buffers, memory budget ---------------------------------------------------
 
 

@@ -32,7 +32,12 @@ from ..runtime.timing import phase
 from ..sharding.partition import assemble, split_state_dict
 from ..storage.object_store import is_url, localize
 from ..strategies.base import LoadCommonStrategy, LoadShardedStrategy
-from ..validation import StrictHandling, validate_integrity_and_strict_load, verify_checkpoint_and_load_strategy
+from ..validation import (
+    StrictHandling,
+    check_requests_on_coordinator,
+    validate_integrity_and_strict_load,
+    verify_checkpoint_and_load_strategy,
+)
 
 __all__ = ["LoadRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint", "open_checkpoint", "read",
            "load_sharded_metadata_with"]
@@ -71,6 +76,7 @@ class OpenedCheckpoint:
     factories: StateDict  # the request's ShardedTensorFactories: their merges run on the result
     local_metadata: Optional[List[ShardedBase]]  # this rank's request without data (if shared)
     global_metadata: Optional[List[List[ShardedBase]]]  # every rank's (if shared)
+    requested_keys: Optional[Set[str]] = None  # the keys of every rank's request (the *_ALL strict modes)
 
 
 def localize_checkpoint(request: LoadRequest, dist: DistWrapper) -> Path:
@@ -96,10 +102,20 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
         return OpenedCheckpoint(directory, sharded, common, common.load_common(directory), sharded_request,
                                 nonpersistent, factories, local_md, None)
 
-    opened, shared = dist.exchange(prepare, share=lambda o: o.local_metadata)
     if not request.needs_global_metadata:
-        return opened
-    return replace(opened, global_metadata=shared)
+        return dist.all_run(prepare)
+    prepared: List[OpenedCheckpoint] = []
+
+    def prepare_and_describe() -> Optional[List[ShardedBase]]:
+        prepared.append(prepare())
+        return prepared[0].local_metadata
+
+    # each rank's request goes to the coordinator only (it checks them all and sends back the
+    # verdict and, for the *_ALL strict modes, the keys requested): no rank receives every rank's list
+    keys = check_requests_on_coordinator(prepare_and_describe, request.validate_access_integrity,
+                                         share_keys=StrictHandling.requires_global_app_metadata(request.strict),
+                                         dist=dist)
+    return replace(prepared[0], requested_keys=keys)
 
 
 def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:
@@ -107,9 +123,10 @@ def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set
     sharded, common = opened.sharded_strategy, opened.common_strategy
     checkpoint_md = (load_sharded_metadata_with(opened.directory, sharded, common)
                      if StrictHandling.requires_explicit_ckpt_mismatch_check(request.strict) else None)
+    checked_on_coordinator = opened.global_metadata is None  # open_checkpoint ran the access check there
     to_read, missing, unexpected = validate_integrity_and_strict_load(
-        opened.sharded_request, request.strict, request.validate_access_integrity, opened.local_metadata,
-        opened.global_metadata, checkpoint_md,
+        opened.sharded_request, request.strict, request.validate_access_integrity and not checked_on_coordinator,
+        opened.local_metadata, opened.global_metadata, checkpoint_md, requested_keys=opened.requested_keys,
     )
     loaded: StateDict = {}
     if not sharded.can_handle_sharded_objects:
