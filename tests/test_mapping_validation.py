@@ -13,7 +13,7 @@ import dist_ckpt
 from dist_ckpt import ShardedObject, ShardedTensor, ShardingError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.sharding.geometry import Box, flat_range_to_subboxes
-from dist_ckpt.validation import validate_sharding_integrity
+from dist_ckpt.validation import summarize_sharding, validate_sharding_integrity, validate_sharding_summaries
 
 
 def test_from_rank_offsets_computes_the_global_view():
@@ -144,6 +144,31 @@ def test_valid_uneven_and_flat_sharding_passes():
     validate_sharding_integrity([[flat[0]], [flat[1]]])
     with pytest.raises(ShardingError, match="overlap"):
         validate_sharding_integrity([[flat[0]], [flat[0]]])
+    # the distributed optimizer's layout: flat ranges of the cells of a regular grid, checked per
+    # cell (sorted ranges) instead of box against box - the ranges [0, 5) and [3, 8) overlap
+    grid = [ShardedTensor("g", None, torch.float32, (2, 4), (4, 4), (r, 0), (2, 1), 0, 0, False, slice(a, b))
+            for r in (0, 2) for a, b in ((0, 5), (5, 8))]
+    validate_sharding_integrity([grid[:2], grid[2:]])
+    bad = grid[:1] + [ShardedTensor("g", None, torch.float32, (2, 4), (4, 4), (0, 0), (2, 1), 0, 0, False,
+                                    slice(3, 8))] + grid[2:]
+    with pytest.raises(ShardingError, match=r"'g': ranks 0 and 1 hold overlapping flat ranges of the main replica "
+                                            r"at offset \(0, 0\) \(elements 3 to 5\)"):
+        validate_sharding_integrity([bad[:1], bad[1:]])
+
+
+def test_ranks_send_the_coordinator_a_summary_not_every_replica():
+    """A rank's ShardingSummary holds its main replicas and one (kind, dtype, shape) per replicated
+    key: 100 data-parallel replicas of 50 layers' weights are 1 entry, and checking summaries finds
+    what checking the full lists finds."""
+    rank_items = [[_t("w", 2, 0, replica=1)] * 50 + [_t("w", 2, 2)], [_t("w", 2, 0)] + [_t("w", 2, 2, replica=2)] * 50]
+    summaries = [summarize_sharding(items) for items in rank_items]
+    assert [len(s.main) for s in summaries] == [1, 1]
+    assert summaries[0].replicas == {"w": {("T", torch.float32, (4, 2))}}
+    validate_sharding_summaries(summaries)
+    disagreeing = [rank_items[0], rank_items[1][:1] + [_t("w", 2, 2, replica=2, dtype=torch.bfloat16)]]
+    with pytest.raises(ShardingError, match="ranks disagree on the dtype: rank 0 has torch.float32, rank 1 has "
+                                            "torch.bfloat16"):
+        validate_sharding_summaries([summarize_sharding(items) for items in disagreeing])
 
 
 @settings(max_examples=300, deadline=None)

@@ -299,6 +299,23 @@ def test_load_access_check_gives_no_rank_every_rank_request(tmp_path):
             assert r["return_all"] < r["own_request"] / 2, r
 
 
+def test_scale_simulation_writes_its_records(tmp_path):
+    """benchmarks/simulate_scale.py runs the save's and load's planning for N ranks of a
+    GPT-175B-like layout in one process (N = 64 here: it takes seconds; the note has 16,384)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "scale.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_scale.py"
+    subprocess.run([sys.executable, str(script), "--ranks", "64", "--json", str(out)], check=True, timeout=300,
+                   capture_output=True)
+    (record,) = json.loads(out.read_text())
+    assert record["ranks"] == 64 and set(record) >= {"coordinator_s", "coordinator_peak_bytes", "rank_s",
+                                                      "rank_recv_bytes", "cached_save_s"}
+    assert 0 < record["rank_recv_bytes"] < 10_000 and record["metadata_bytes"] > 100_000
+
+
 # -- async staging: reused buffers, memory budget ---------------------------------------------------
 
 

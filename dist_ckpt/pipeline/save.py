@@ -59,7 +59,7 @@ from ..strategies.base import (
     StrategyAction,
     resolve_strategy,
 )
-from ..validation import validate_sharding_integrity
+from ..validation import ShardingSummary, summarize_sharding, validate_sharding_summaries
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +187,14 @@ def stage(request: SaveRequest, parts: SplitState, dist: DistWrapper) -> Staging
         same = getattr(cache_owner, "validated_fingerprint", None) == fingerprint
         validate = not dist.all_reduce_min(1 if same else 0)
 
-    def local_metadata() -> Optional[List[ShardedBase]]:
-        return [sh.without_data() for sh in nested_values(parts.sharded)] if validate else None
+    def local_metadata() -> Optional[ShardingSummary]:  # main replicas in full, the others per key
+        if not validate:
+            return None
+        return summarize_sharding(sh for sh in nested_values(parts.sharded) if isinstance(sh, ShardedBase))
 
-    def prepare(global_metadata: List[Optional[List[ShardedBase]]]) -> Union[StagedSave, RemoteSave]:
-        if validate:  # every rank sent its list: none is None
-            validate_sharding_integrity([md or [] for md in global_metadata])  # before anything touches the disk
+    def prepare(summaries: List[Optional[ShardingSummary]]) -> Union[StagedSave, RemoteSave]:
+        if validate:  # every rank sent its summary: none is None; checked before anything touches the disk
+            validate_sharding_summaries([s if s is not None else ShardingSummary([], {}) for s in summaries])
         if request.url is not None:
             return begin_remote_save(request.url, request.overwrite, request.storage_options)
         if request.target is None:  # pragma: no cover - SaveRequest.resolve sets one of the two

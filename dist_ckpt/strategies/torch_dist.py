@@ -20,7 +20,7 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union, cast
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -54,9 +54,13 @@ from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
 from .dcp.plan import (
+    LocalSavePlan,
     ReadTask,
+    make_global_metadata,
     make_global_save_plan,
     make_local_save_plan,
+    make_rank_save_plan,
+    reformulated_keys,
     plan_tensor_reads,
     stored_global_shape,
     stored_tensor_catalog,
@@ -254,17 +258,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return plan, copy.copy(cached_metadata) if dist.is_coordinator else None, object_blobs
         global_metadata: List[Metadata] = []  # set by global_step, on the coordinator
         local_blobs: Dict[str, bytes] = {}
+        local_plan: List[LocalSavePlan] = []
 
-        def global_step(all_local: List[Any]) -> List[SavePlan]:
-            plans, metadata = make_global_save_plan(all_local)
-            global_metadata.append(metadata)
-            return plans
+        def global_step(all_local: List[LocalSavePlan]) -> Set[str]:
+            reformulate = reformulated_keys(all_local)
+            global_metadata.append(make_global_metadata(all_local, reformulate))
+            return reformulate
 
-        def local_step() -> Any:
+        def local_step() -> LocalSavePlan:
             local_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
-            return make_local_save_plan(tensors, objects)
+            local_plan.append(make_local_save_plan(tensors, objects))
+            return local_plan[0]
 
-        plan = dist.reduce_scatter(local_step, global_step)
+        # the coordinator builds the metadata and sends back only the keys stored reformulated
+        # (the same few keys for any number of ranks); each rank builds its write items itself
+        reformulate = dist.all_reduce(local_step, global_step)
+        plan = make_rank_save_plan(local_plan[0], reformulate)
         self.plans_made += 1
         metadata = global_metadata[0] if global_metadata else None
         if fingerprint is not None:

@@ -1,0 +1,218 @@
+"""Planning for thousands of ranks, measured in one process.
+
+We cannot start 16,384 ranks here, but the metadata work of a save and a load can be measured:
+this script builds the sharded state dicts of N ranks of a GPT-175B-like job (96 layers, hidden
+12288, TP 8, PP 8, data parallel N/64, the distributed optimizer's flattened ranges, an RNG
+ShardedObject per rank) with meta tensors (no bytes), and runs the code that dist_ckpt's
+``torch_dist`` save and load run for planning, with each collective replaced by its payloads
+(pickled on the sender, unpickled on the receiver, as ``DistWrapper`` does):
+
+* an ordinary rank: its shard list and local save plan (sent to the coordinator), the structure
+  fingerprint a cached save compares, its part of the global plan (received), and at load
+  the read plan from the checkpoint's ``.metadata``;
+* the coordinator: every rank's shard list unpickled and the sharding validated, every local
+  plan unpickled and the global plan and ``.metadata`` built, the per-rank plans pickled; at
+  load, every rank's request validated (the access check gathers on the coordinator only).
+
+Usage::
+
+    python benchmarks/simulate_scale.py --ranks 16384 --json scale.json   # N = 64, 256, ... 16384
+
+Each record: ``ranks``, ``coordinator_s`` (save planning), ``coordinator_load_s`` (access
+check), ``coordinator_peak_bytes`` (resident memory above the start, sampled), ``rank_s``,
+``rank_recv_bytes`` (what an ordinary rank receives in the save's and the load's collectives),
+``rank_send_bytes``, ``metadata_bytes`` (the ``.metadata`` every rank reads at load),
+``cached_save_s`` (an ordinary rank's work in a repeated save of the same structure: the
+fingerprint; the comparison is one all-reduce of an int, no global planning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from dist_ckpt import ShardedObject, ShardedTensor  # noqa: E402
+from dist_ckpt.mapping import is_main_replica  # noqa: E402
+from dist_ckpt.sharding.fingerprint import structure_fingerprint  # noqa: E402
+from dist_ckpt.strategies.dcp.plan import (  # noqa: E402
+    make_global_metadata,
+    make_local_save_plan,
+    make_rank_save_plan,
+    plan_tensor_reads,
+    reformulated_keys,
+)
+from dist_ckpt.validation import summarize_sharding, validate_sharding_summaries  # noqa: E402
+from run import PeakRss  # noqa: E402
+
+LAYERS, HIDDEN, VOCAB, TP, PP = 96, 12288, 51200, 8, 8
+FFN = 4 * HIDDEN
+MODEL_PARALLEL = TP * PP
+# (name, shape of one layer's parameter, the axis split over TP or None: replicated over TP)
+LAYER_PARAMS: List[Tuple[str, Tuple[int, ...], Any]] = [
+    ("input_layernorm.weight", (HIDDEN,), None),
+    ("input_layernorm.bias", (HIDDEN,), None),
+    ("self_attention.linear_qkv.weight", (3 * HIDDEN, HIDDEN), 0),
+    ("self_attention.linear_qkv.bias", (3 * HIDDEN,), 0),
+    ("self_attention.linear_proj.weight", (HIDDEN, HIDDEN), 1),
+    ("self_attention.linear_proj.bias", (HIDDEN,), None),
+    ("pre_mlp_layernorm.weight", (HIDDEN,), None),
+    ("pre_mlp_layernorm.bias", (HIDDEN,), None),
+    ("mlp.linear_fc1.weight", (FFN, HIDDEN), 0),
+    ("mlp.linear_fc1.bias", (FFN,), 0),
+    ("mlp.linear_fc2.weight", (HIDDEN, FFN), 1),
+    ("mlp.linear_fc2.bias", (HIDDEN,), None),
+]
+OPTIMIZER_STATES = ("fp32_param", "exp_avg", "exp_avg_sq")
+
+
+def _meta(shape: Tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _local(shape: Tuple[int, ...], axis: Any) -> Tuple[int, ...]:
+    return shape if axis is None else tuple(n // TP if i == axis else n for i, n in enumerate(shape))
+
+
+def _model_params(tp: int, pp: int) -> Iterator[Tuple[str, Tuple[int, ...], Tuple, Dict[str, Any]]]:
+    """(key, local shape, rank offsets, kwargs) of this model-parallel rank's parameters, in the
+    order of its gradient buffer."""
+    per_stage = LAYERS // PP
+    for layer in range(pp * per_stage, (pp + 1) * per_stage):
+        for name, shape, axis in LAYER_PARAMS:
+            offsets = ((0, layer, LAYERS),) + (((axis + 1, tp, TP),) if axis is not None else ())
+            yield f"decoder.layers.{name}", _local(shape, axis), offsets, {"prepend_axis_num": 1,
+                                                                         "tp_replicated": axis is None}
+    if pp == 0:
+        yield "embedding.word_embeddings.weight", (VOCAB // TP, HIDDEN), ((0, tp, TP),), {"tp_replicated": False}
+    if pp == PP - 1:
+        yield "decoder.final_layernorm.weight", (HIDDEN,), (), {"tp_replicated": True}
+        yield "decoder.final_layernorm.bias", (HIDDEN,), (), {"tp_replicated": True}
+        yield "output_layer.weight", (VOCAB // TP, HIDDEN), ((0, tp, TP),), {"tp_replicated": False}
+
+
+def rank_state(rank: int, world: int) -> List[Any]:
+    """The sharded items (ShardedTensors on meta tensors, one ShardedObject) of ``rank``:
+    the model's parameters (replicated over data parallel) and the distributed optimizer's
+    state (each data-parallel rank holds a contiguous range of the flattened buffer)."""
+    tp, pp, dp = rank % TP, (rank // TP) % PP, rank // MODEL_PARALLEL
+    dp_size = world // MODEL_PARALLEL
+    items: List[Any] = []
+    params = list(_model_params(tp, pp))
+    for key, shape, offsets, kw in params:
+        replica = (0, tp if kw["tp_replicated"] else 0, dp)
+        items.append(ShardedTensor.from_rank_offsets(key, _meta(shape), *offsets, replica_id=replica,
+                                                     prepend_axis_num=kw.get("prepend_axis_num", 0)))
+    total = sum(math.prod(shape) for _, shape, _, _ in params)
+    lo, hi = dp * total // dp_size, (dp + 1) * total // dp_size
+    start = 0
+    for key, shape, offsets, kw in params:
+        numel = math.prod(shape)
+        a, b = max(lo, start), min(hi, start + numel)
+        if a < b:
+            for state in OPTIMIZER_STATES:
+                items.append(ShardedTensor.from_rank_offsets_flat(
+                    f"optimizer.state.{state}.{key}", _meta((b - a,), torch.float32), shape, *offsets,
+                    flattened_range=slice(a - start, b - start), replica_id=(0, tp if kw["tp_replicated"] else 0, 0),
+                    prepend_axis_num=kw.get("prepend_axis_num", 0)))
+        start += numel
+    items.append(ShardedObject("rng_state", None, (PP, TP), (pp, tp), replica_id=dp))
+    return items
+
+
+def _main(items: List[Any]) -> Tuple[List[ShardedTensor], List[ShardedObject]]:
+    tensors = [t for t in items if isinstance(t, ShardedTensor) and is_main_replica(t.replica_id)]
+    objects = [o for o in items if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
+    return tensors, objects
+
+
+def _rank_payloads(rank: int, world: int) -> Tuple[bytes, bytes]:
+    """What ``rank`` sends the coordinator in a save: its sharding summary (the sharding check;
+    the same at load) and its local save plan (the global plan)."""
+    items = rank_state(rank, world)
+    return pickle.dumps(summarize_sharding(items)), pickle.dumps(make_local_save_plan(*_main(items)))
+
+
+def simulate(world: int) -> Dict[str, Any]:
+    if world % MODEL_PARALLEL:
+        raise SystemExit(f"--ranks: each N must be a multiple of TP*PP = {MODEL_PARALLEL}")
+    ordinary = MODEL_PARALLEL + 1 if world > MODEL_PARALLEL else 1  # a rank of the second DP group
+    start = time.perf_counter()
+    shard_lists, local_plans = zip(*(_rank_payloads(r, world) for r in range(world)))
+    built_s = time.perf_counter() - start
+    gc.collect()
+
+    with PeakRss() as rss:
+        start = time.perf_counter()
+        validate_sharding_summaries([pickle.loads(b) for b in shard_lists])
+        plans = [pickle.loads(b) for b in local_plans]
+        reformulate = reformulated_keys(plans)
+        metadata_bytes = pickle.dumps(make_global_metadata(plans, reformulate))
+        reformulate_bytes = pickle.dumps(reformulate)  # broadcast: the only planning result a rank receives
+        coordinator_s = time.perf_counter() - start
+        del plans
+        start = time.perf_counter()
+        validate_sharding_summaries([pickle.loads(b) for b in shard_lists], loading=True)
+        coordinator_load_s = time.perf_counter() - start
+    verdict = len(pickle.dumps((None, [])))  # (shared result, failures): what a broadcast verdict carries
+
+    items = rank_state(ordinary, world)  # the model's work, not the checkpoint's
+    start = time.perf_counter()
+    summary = pickle.dumps(summarize_sharding(items))
+    local_plan = make_local_save_plan(*_main(items))
+    sent = len(summary) + len(pickle.dumps(local_plan))
+    structure_fingerprint(items)
+    make_rank_save_plan(local_plan, pickle.loads(reformulate_bytes))
+    requests = [t for t in items if isinstance(t, ShardedTensor)]
+    plan_tensor_reads(requests, pickle.loads(metadata_bytes))
+    rank_s = time.perf_counter() - start
+    start = time.perf_counter()
+    structure_fingerprint(items)
+    cached_save_s = time.perf_counter() - start
+    return {
+        "ranks": world,
+        "coordinator_s": round(coordinator_s, 3),
+        "coordinator_load_s": round(coordinator_load_s, 3),
+        "coordinator_peak_bytes": int(rss.extra_mib * 2**20),
+        "rank_s": round(rank_s, 4),
+        "rank_send_bytes": sent,
+        "rank_recv_bytes": len(reformulate_bytes) + 2 * verdict,  # save: the reformulated keys, the check's verdict; load: verdict
+        "metadata_bytes": len(metadata_bytes),
+        "cached_save_s": round(cached_save_s, 5),
+        "build_s": round(built_s, 1),
+    }
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4096, help="the largest N; N = 64, 256, ... up to it")
+    parser.add_argument("--json", help="write the records here")
+    args = parser.parse_args(argv)
+    sizes = [n for n in (64, 256, 1024, 4096, 16384, 65536) if n <= args.ranks]
+    records = []
+    print(f"{'ranks':>7}{'coord save s':>14}{'coord load s':>14}{'coord MiB':>11}{'rank s':>9}{'rank recv B':>13}"
+          f"{'.metadata MiB':>15}{'cached s':>10}")
+    for n in sizes:
+        r = simulate(n)
+        records.append(r)
+        print(f"{n:>7}{r['coordinator_s']:>14.2f}{r['coordinator_load_s']:>14.2f}"
+              f"{r['coordinator_peak_bytes'] / 2**20:>11.0f}{r['rank_s']:>9.3f}{r['rank_recv_bytes']:>13}"
+              f"{r['metadata_bytes'] / 2**20:>15.1f}{r['cached_save_s']:>10.4f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
