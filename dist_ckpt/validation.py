@@ -232,7 +232,8 @@ def _check_agreement(key: str, entries: List[Tuple[int, Optional[torch.dtype], T
     rank0, dtype0, shape0 = entries[0]
     for rank, dtype, shape in entries[1:]:
         if dtype != dtype0:
-            raise ShardingError(f"{what}: ranks disagree on the dtype: rank {rank0} has {dtype0}, rank {rank} has {dtype}")
+            raise ShardingError(f"{what}: ranks disagree on the dtype: rank {rank0} has {dtype0}, rank {rank} has "
+                                f"{dtype}")
         if shape != shape0:
             raise ShardingError(f"{what}: ranks disagree on the global shape: rank {rank0} has {shape0}, rank {rank} "
                                 f"has {shape}")

@@ -154,11 +154,11 @@ def make_rank_save_plan(local: LocalSavePlan, reformulate: Set[str]) -> SavePlan
         properties = properties_of.get(desc.dtype)
         if properties is None:
             properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items.append(WriteItem(
             index=MetadataIndex(desc.key, torch.Size(offsets)),
             type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                                        properties=properties, size=torch.Size(size)),
+            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=torch.Size(size)),
         ))
     for unique_key in local.object_keys:
         items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
