@@ -288,12 +288,13 @@ def test_load_access_check_gives_no_rank_every_rank_request(tmp_path):
     """Issue 22: a load's access check gathers the requests on the coordinator only (it sent
     every rank's list to every rank: N^2 bytes in all, and each rank's share grew with N). On 3
     ranks an ordinary rank receives less than its own request's size (it received twice that
-    before); the coordinator receives the others'; a bad request is still refused on every rank."""
+    before); the coordinator receives the others' summaries; a bad request is still refused on
+    every rank."""
     results = run_distributed(_received_during_load, 3, str(tmp_path))
     for rank, r in enumerate(results):
         assert "layer0.weight" in r["error"] and "both hold the main replica" in r["error"], r["error"]
-        if rank == 0:
-            assert r["assume_ok_unexpected"] >= 2 * r["own_request"], r
+        if rank == 0:  # the two others' summaries
+            assert r["assume_ok_unexpected"] > 4 * results[1]["assume_ok_unexpected"], results
         else:  # a verdict, and the keys for the *_ALL modes: not the other ranks' shard lists
             assert r["assume_ok_unexpected"] < r["own_request"] / 4, r
             assert r["return_all"] < r["own_request"] / 2, r

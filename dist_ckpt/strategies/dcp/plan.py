@@ -15,9 +15,11 @@ Nothing here does I/O; the inputs are shard descriptions and DCP metadata.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
@@ -214,6 +216,31 @@ class StoredChunk:
     stored_sizes: Tuple[int, ...]
     piece: Piece
 
+    @cached_property
+    def sub_boxes(self) -> List[SubBox]:
+        """The piece's contiguous boxes, computed once (every request that meets it uses them)."""
+        return self.piece.subboxes()
+
+
+class _ChunkIndex:
+    """A key's stored chunks ordered along axis 0, so a request looks only at the chunks whose
+    rows meet its own (a checkpoint of N data-parallel ranks holds ~N optimizer chunks per key:
+    trying every one for every request made a rank's load planning grow with N)."""
+
+    def __init__(self, chunks: List[StoredChunk]) -> None:
+        self.chunks = sorted(chunks, key=lambda c: c.piece.box.offset[:1])  # stable: metadata order within a row
+        self.starts = [c.piece.box.offset[0] if c.piece.box.shape else 0 for c in self.chunks]
+        self.max_rows = max((c.piece.box.shape[0] for c in self.chunks if c.piece.box.shape), default=0)
+
+    def meeting(self, box: Box) -> List[StoredChunk]:
+        """The chunks whose box overlaps ``box``."""
+        if not box.shape:
+            return self.chunks
+        first, end = box.offset[0], box.offset[0] + box.shape[0]
+        lo = bisect.bisect_right(self.starts, first - self.max_rows)
+        hi = bisect.bisect_left(self.starts, end)
+        return [c for c in self.chunks[lo:hi] if intersect(box, c.piece.box) is not None]
+
 
 def stored_global_shape(key: str, md: TensorStorageMetadata, mcore_data: dict) -> Tuple[int, ...]:
     orig = (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
@@ -270,7 +297,7 @@ def plan_tensor_reads(
     stored chunks leave part of the request uncovered.
     """
     mcore_data = getattr(metadata, "mcore_data", None) or {}
-    catalogs: Dict[str, List[StoredChunk]] = {}
+    catalogs: Dict[str, _ChunkIndex] = {}
     items: List[ReadItem] = []
     tasks: List[ReadTask] = []
     for req_idx, sh in enumerate(requests):
@@ -278,11 +305,11 @@ def plan_tensor_reads(
         stored_shape = stored_global_shape(sh.key, md, mcore_data)
         sh.check_against_stored(md.properties.dtype, stored_shape)
         if sh.key not in catalogs:
-            catalogs[sh.key] = stored_tensor_catalog(sh.key, md, mcore_data)
+            catalogs[sh.key] = _ChunkIndex(stored_tensor_catalog(sh.key, md, mcore_data))
         req_piece = sh.piece()
         req_subs = req_piece.subboxes()
         loaded = 0
-        for chunk in catalogs[sh.key]:
+        for chunk in catalogs[sh.key].meeting(req_piece.box):
             planned = _read_from_chunk(sh.key, req_idx, req_piece, req_subs, chunk)
             if planned is None:
                 continue
@@ -335,7 +362,7 @@ def _read_from_chunk(key: str, req_idx: int, req_piece: Piece, req_subs: List[Su
     copies = []
     elements = 0
     for rs in req_subs:
-        for cs in chunk.piece.subboxes():
+        for cs in chunk.sub_boxes:
             inter = intersect(rs.box, cs.box)
             if inter is not None:
                 copies.append(((rs.flat_start, rs.box), (cs.flat_start, cs.box), inter))
