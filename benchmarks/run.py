@@ -29,7 +29,12 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   peer: async save blocked/total per tier, restore from the local tier (own
                   copy; one node's copies wiped) vs the persistent checkpoint (cold cache);
   small_*         N tensors of 4 KiB per rank (--small 1000,20000,...): save and load seconds,
-                  dist_ckpt and Megatron-Core (the latter up to 20,000).
+                  dist_ckpt and Megatron-Core (the latter up to 20,000);
+  small_*_<W>ranks  1,000 such tensors per rank on W ranks (--scaling-ranks 2,4,8, all on this
+                  machine's cores): how save and load grow with the number of ranks.
+
+The planning of a save and a load for thousands of ranks is simulated in one process by
+benchmarks/simulate_scale.py.
 
 Printed: median, min and max per (tool, phase), GB/s, ratios against raw I/O and
 Megatron-Core, and the same as JSON (--json). Timing assertions stay out of the tests; this
@@ -335,7 +340,7 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
     return times
 
 
-def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int) -> Times:
+def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int, suffix: str = "") -> Times:
     mdc = _megatron()
     times: Times = {}
     for count in counts:
@@ -357,8 +362,8 @@ def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int)
         for r in range(repeat if count <= 20000 else 1):
             for name, (save, load) in tools.items():
                 d = Path(root) / f"small-{name}-{count}-{r}"
-                _add(times, name, f"small_save_{count}", _timed(lambda: save(d)))
-                _add(times, name, f"small_load_{count}", _timed(lambda: load(d)))
+                _add(times, name, f"small_save_{count}{suffix}", _timed(lambda: save(d)))
+                _add(times, name, f"small_load_{count}{suffix}", _timed(lambda: load(d)))
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(d, ignore_errors=True)
@@ -529,7 +534,8 @@ def _ratios(results: Times) -> str:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
                      + f", step slowdown {med['async_step_slowdown']:+.1%}")
-    small = sorted(int(p.rsplit("_", 1)[1]) for p in med if p.startswith("small_save_"))
+    small = sorted(int(p.rsplit("_", 1)[1]) for p in med
+                   if p.startswith("small_save_") and p.rsplit("_", 1)[1].isdigit())
     if len(small) > 1:
         lo, hi = small[0], small[-1]
         parts.append(f"small tensors: cost per tensor at {hi} / at {lo}: save "
@@ -540,6 +546,12 @@ def _ratios(results: Times) -> str:
             parts.append(f"{count} small tensors {statistics.median(mc[f'small_save_{count}']) / med[f'small_save_{count}']:.2f}x"
                          f" / {statistics.median(mc[f'small_load_{count}']) / med[f'small_load_{count}']:.2f}x faster than "
                          f"Megatron-Core (save / load)")
+    worlds = sorted(int(p.rsplit("_", 1)[1][:-len("ranks")]) for p in med if p.startswith("small_load_1000_"))
+    for tool, times in (("dist_ckpt", med), ("Megatron-Core", {k: statistics.median(v) for k, v in mc.items()})):
+        steps = [f"{a}->{b} ranks x{times[f'small_load_1000_{b}ranks'] / times[f'small_load_1000_{a}ranks']:.2f}"
+                 for a, b in zip(worlds, worlds[1:]) if f"small_load_1000_{b}ranks" in times]
+        if steps:
+            parts.append(f"{tool} load of 1,000 tensors per rank, growth per step: " + ", ".join(steps))
     plugin, torch_dcp = results.get("dcp+dist_ckpt", {}), results.get("dcp", {})
     for phase in ("save", "load", "load_cached"):
         if phase in plugin and phase in torch_dcp:
@@ -558,8 +570,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
-    parser.add_argument("--only", default="main,async,resharded,small,local", help="which parts to run")
+    parser.add_argument("--only", default="main,async,resharded,small,local,scaling", help="which parts to run")
     parser.add_argument("--local-ranks", default="2,4", help="rank counts of the local-tier comparison")
+    parser.add_argument("--scaling-ranks", default="2,4,8",
+                        help="rank counts for 1,000 small tensors per rank (how load and save grow with ranks)")
     parser.add_argument("--async-writer", default="process", choices=["process", "thread"])
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -574,6 +588,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         counts = [int(c) for c in args.small.split(",") if c]
         if counts and "small" in parts:
             _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
+        if "scaling" in parts:
+            for world in (int(w) for w in args.scaling_ranks.split(",") if w):
+                _update(results, _merge(run_distributed(_small_job, world, str(root), [1000], args.repeat,
+                                                        f"_{world}ranks")))
         if "local" in parts:
             shm = tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             try:

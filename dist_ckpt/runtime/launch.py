@@ -81,12 +81,6 @@ def _worker(rank: int, fn: Callable, world_size: int, tmp: str, parent_pid: int,
         os._exit(1)
     _write(os.path.join(tmp, f"result_{rank}.pkl"), result)
     dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The work is done and reported: skip the interpreter's teardown, where a C++ thread of
-    # torch's left joinable (seen once with a DeviceMesh's groups, under load) aborts the
-    # process ("terminate called without an active exception") after a successful run.
-    os._exit(0)
 
 
 def _processes(target: Callable, world_size: int, make_args: Callable[[int], tuple]) -> List[BaseProcess]:
