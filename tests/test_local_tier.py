@@ -397,6 +397,21 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     seen["order"] = order
     _check_restored(state.to_state_dict(_request(rank, world), algo="atomic"), rank, world, 4)
     assert again.find_latest() == 5
+
+    # an asynchronous save dropped without being run: its state gets its tensors back, its
+    # staging copies are free, and later transfers do not wait for its turn (an hour before)
+    import gc
+
+    dropped_state = _tasd(rank, world, 6, "atomic")
+    dropped = again.save(dropped_state, 6, is_async=True)
+    assert dropped_state.is_hollow and again.staging.leased == 1
+    del dropped
+    gc.collect()
+    seen["dropped_given_back"] = (dropped_state.is_hollow, again.staging.leased)
+    repl.turns.timeout_s = 30.0  # a wait for the dropped save's turn fails the test in 30 s
+    again.save(_tasd(rank, world, 7, "atomic"), 7)
+    assert again.find_latest() == 7
+    _check_restored(_restore(f"{root}/again", rank, world, repl)[1], rank, world, 7)
     return seen
 
 
@@ -411,8 +426,131 @@ def test_local_tier_on_two_ranks(tmp_path):
         assert seen["identical_resave"]
         assert seen["healed"]
         assert seen["order"] == ["save transfers done", "load transfers start"]
+        assert seen["dropped_given_back"] == (False, 0)
     # the replicated tensor is kept once over both ranks
     assert sorted(r["fully_parallel_tensors"] for r in results) == [1, 2]
+
+
+def test_transfer_turns_skip_a_dropped_ticket():
+    """Tickets run in the order taken; an abandoned ticket is skipped, also when it is abandoned
+    while a later one waits, and abandoning a ticket already served changes nothing."""
+    import threading
+
+    from dist_ckpt.local import TransferTurns
+
+    turns = TransferTurns(timeout_s=10)
+    first, dropped, last = turns.take(), turns.take(), turns.take()
+    ran: list = []
+
+    def run_last() -> None:
+        with turns.turn(last):
+            ran.append("last")
+
+    waiter = threading.Thread(target=run_last)
+    waiter.start()
+    with turns.turn(first):
+        ran.append("first")
+    waiter.join(0.3)
+    assert waiter.is_alive() and ran == ["first"]  # waits for the dropped ticket's turn...
+    turns.abandon(dropped)
+    waiter.join(10)
+    assert ran == ["first", "last"]  # ...until it is abandoned
+    turns.abandon(first)  # served already: nothing changes
+    with turns.turn():
+        ran.append("next")
+    assert ran[-1] == "next"
+    turns.timeout_s = 0.2
+    late = turns.take()
+    turns.take()
+    with pytest.raises(CheckpointingException, match="waited 0 s for the transfers before it"):
+        with turns.turn(late + 1):
+            pass
+    turns.abandon(late)
+    with turns.turn(late + 1):
+        ran.append("after the late one")
+
+
+def _stalled_peer(rank: int, world: int, root: str) -> dict:
+    """Rank 0 stops rank 1 (SIGSTOP) during a replicated local save and resumes it (SIGCONT)
+    after the clique group's timeout: the save fails on both ranks, rank 0's strategy refuses
+    the out-of-step group at once, the next save rebuilds the groups and replicates again, and
+    the restart restores it bit-exactly from a peer's copy."""
+    import signal
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dist_ckpt import CheckpointManager
+    from dist_ckpt.local import CliqueReplicationStrategy, ReplicationBrokenError
+
+    def manager():
+        return CheckpointManager(f"{root}/persistent", async_save=False, local_dir=f"{root}/local", local_every=1,
+                                 persistent_every=100, local_replication_factor=2, local_replication_jump=1)
+
+    cm = manager()
+    repl = CliqueReplicationStrategy.from_replication_params(1, 2, timeout=timedelta(seconds=3))
+    cm.local.manager.repl_strategy = repl
+    cm.save(1, _state(rank, world, 1))
+    seen: dict = {}
+    # rank 1 stops itself where its transfers would start; rank 0 waits for it there until the
+    # group's timeout, then (once it has given up) resumes it, again and again until it runs
+    real_replicate = repl.replicate_parts
+
+    def stall(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return real_replicate(*args, **kwargs)
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    saved = threading.Event()
+
+    def resume_rank_1() -> None:
+        while repl.broken is None and not saved.is_set():
+            time.sleep(0.1)
+        while not saved.wait(0.5):
+            os.kill(pids[1], signal.SIGCONT)
+
+    if rank == 0:
+        threading.Thread(target=resume_rank_1, daemon=True).start()
+    else:
+        repl.replicate_parts = stall
+    dist.barrier()
+    with pytest.raises(CheckpointingException) as failed:
+        cm.save(2, _state(rank, world, 2))
+    saved.set()
+    if rank == 1:
+        del repl.replicate_parts
+    seen["error"] = (type(failed.value).__name__, str(failed.value))
+    seen["broken"] = repl.broken
+    assert cm.local.find_latest() == 1  # the failed step is nowhere
+    if rank == 0:  # refused at once, without a collective on the out-of-step group
+        with pytest.raises(ReplicationBrokenError, match=r"out of step since a transfer to replicate iteration 2"):
+            repl.replicate_parts(3, None, lambda owner: None)
+    dist.barrier()
+    cm.save(3, _state(rank, world, 3))  # rebuilds the groups first, on every rank
+    seen["broken_after_save"] = repl.broken
+    seen["files"] = sorted(p.name for p in cm.local.manager.local_ckpt_dir.iterdir())
+    if rank == 1:  # rank 1's own part is lost: the restart takes rank 0's copy
+        os.remove(cm.local.manager._local_ckpt_path_from_id((3, 1, cm.local.manager.session_id)))
+    dist.barrier()
+    again = manager()
+    _check_restored(again.load(_request(rank, world)), rank, world, 3)
+    seen["loaded"] = (again.loaded_step, again.loaded_tier)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_stalled_peer_fails_the_save_and_the_next_one_rebuilds_the_groups(tmp_path):
+    results = run_distributed(_stalled_peer, 2, str(tmp_path))
+    for rank, seen in enumerate(results):
+        assert seen["error"][0] in ("ReplicationBrokenError", "CheckpointingException"), seen["error"]
+        assert "replication group of ranks [0, 1] is out of step" in seen["error"][1], seen["error"]
+        assert seen["broken_after_save"] is None
+        assert seen["files"] == ["iter_0000003_0_local.pt", "iter_0000003_1_local.pt"]
+        assert seen["loaded"] == (3, "local")
+    assert "timed out" in results[0]["broken"].lower() or "timeout" in results[0]["broken"].lower(), results[0]
 
 
 def _four_ranks(rank: int, world: int, root: str) -> dict:

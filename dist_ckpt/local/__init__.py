@@ -15,7 +15,9 @@ from .replication import (
     CliqueReplicationStrategy,
     LazyCliqueReplicationStrategy,
     NoReplicasAvailableError,
+    ReplicationBrokenError,
     ReplicationConfigError,
+    TransferTurns,
     parse_group_sequence,
 )
 
@@ -28,5 +30,7 @@ __all__ = [
     "LazyCliqueReplicationStrategy",
     "NoReplicasAvailableError",
     "ReplicationConfigError",
+    "ReplicationBrokenError",
+    "TransferTurns",
     "parse_group_sequence",
 ]

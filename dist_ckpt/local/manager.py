@@ -21,8 +21,10 @@ import contextlib
 import logging
 import os
 import re
+import threading
+import weakref
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -83,6 +85,7 @@ class LocalCheckpointManager:
         self._rank: Optional[int] = None
         self._local_ckpt_dir: Optional[Path] = None
         self._globally_available: List[List[CkptID]] = []
+        self._rebuild_replication = False  # set on every rank by a failed replicated save
 
     # -- names (NVRx's, so its tests and tools find the files) -------------------------------------
 
@@ -177,6 +180,7 @@ class LocalCheckpointManager:
 
         if own_path.exists():
             use_own()
+        self._rebuild_replication_if_needed()
         if self.repl_strategy is not None:
             held = {owner: self._local_ckpt_path_from_id((iteration, owner, self.session_id))
                     for it, owner, _ in self._my_ckpt_ids() if it == iteration and owner != self.rank}
@@ -210,6 +214,7 @@ class LocalCheckpointManager:
                 f"A newer checkpoint is already available: {self.latest_iteration} (saving {iteration})")
         ckpt_id = self._ckpt_id(iteration)
         self._ensure_dir()
+        self._rebuild_replication_if_needed()
         tensors = state_dict.pop_tensors()
         lease = None
         to_write = tensors
@@ -218,24 +223,46 @@ class LocalCheckpointManager:
             to_write = [b if b is not None else t.detach().cpu().clone() for b, t in zip(lease.buffers, tensors)]
         ticket = self.repl_strategy.turns.take() if self.repl_strategy is not None else None
         self.latest_iteration = -1  # find_latest looks again after this save
+        started = threading.Event()
+
+        def give_back() -> None:  # the state is whole again; the copies are free for the next save
+            state_dict.insert_tensors(tensors)
+            if lease is not None:
+                lease.release()
 
         def write_and_replicate() -> None:
+            started.set()
             try:
                 self._write_and_replicate(ticket, state_dict, to_write, ckpt_id)
-            finally:  # the state is whole again; the copies are free for the next save
-                state_dict.insert_tensors(tensors)
-                if lease is not None:
-                    lease.release()
+            finally:
+                give_back()
 
         def finalize() -> None:
             self._finalize(iteration)
 
+        def failed() -> None:
+            self._cleanup_failed_save(iteration)
+            if self.repl_strategy is not None:  # every rank runs this: the agreed point to rebuild
+                self._rebuild_replication = True
+
         request = AsyncRequest(write_and_replicate, (), [finalize], preferred_caller="thread")
-        request.add_cleanup_fn(lambda: self._cleanup_failed_save(iteration))
+        request.add_cleanup_fn(failed)
         if is_async:
+            # dropped without being run (garbage collected): its transfers' turn is skipped, so
+            # later saves and loads do not wait for it; its state and copies are given back
+            weakref.finalize(write_and_replicate, _abandoned, started, self.repl_strategy, ticket,
+                             give_back).atexit = False
             return request
         request.execute_sync()
         return None
+
+    def _rebuild_replication_if_needed(self) -> None:
+        """After a failed replicated save (its cleanup ran on every rank), new clique groups
+        before the next transfer: the failure may have left the old ones out of step."""
+        if self._rebuild_replication and self.repl_strategy is not None:
+            logger.warning("rank %s: rebuilding the replication groups after a failed local save", self.rank)
+            self.repl_strategy.rebuild()
+        self._rebuild_replication = False
 
     def _write_and_replicate(self, ticket: Optional[int], state: TensorAwareStateDict, tensors: List[torch.Tensor],
                              ckpt_id: CkptID) -> None:
@@ -299,3 +326,12 @@ class LocalCheckpointManager:
         for it, path in self._parts():
             if it == iteration:
                 remove_part(path)
+
+
+def _abandoned(started: threading.Event, strategy: Any, ticket: Optional[int], give_back: Callable[[], None]) -> None:
+    """An asynchronous save's write was freed: if it never ran, skip its turn and give back."""
+    if started.is_set():
+        return
+    if strategy is not None and ticket is not None:
+        strategy.turns.abandon(ticket)
+    give_back()

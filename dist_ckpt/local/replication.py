@@ -11,6 +11,13 @@ sender's header (status, iteration, size, digest), the bytes in fixed-size chunk
 sender's verdict. A receiver keeps a copy only when every byte arrived and the digest matches
 (``storage.local_parts.PartReceiver``). A rank that cannot send still takes part with status 0,
 so nobody waits on it.
+
+A transfer interrupted part way (a peer stalled past the group's timeout, or died) leaves the
+group out of step: bytes of the interrupted broadcasts may still be queued on either side, and a
+later transfer would pair with them. So the first such error marks the strategy broken: it
+refuses every later transfer at once (``ReplicationBrokenError``) until ``rebuild()``, called on
+every rank together, replaces the groups (``CheckpointManager`` does that at its next local
+save or load after a failed local save, a point every rank reaches).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import os
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +45,7 @@ __all__ = [
     "parse_group_sequence",
     "CliqueReplicationStrategy",
     "LazyCliqueReplicationStrategy",
+    "ReplicationBrokenError",
     "TransferTurns",
     "CHUNK_BYTES",
 ]
@@ -52,6 +60,11 @@ class ReplicationConfigError(CheckpointingException, ValueError):
 
 class NoReplicasAvailableError(CheckpointingException):
     """Some rank's part of a local checkpoint exists nowhere in a verifiable copy."""
+
+
+class ReplicationBrokenError(CheckpointingException):
+    """A transfer on a clique group failed part way (a peer stalled past the timeout or died),
+    so the group is out of step and no transfer may use it until ``rebuild()``."""
 
 
 def default_replication_jump() -> int:
@@ -93,6 +106,7 @@ class TransferTurns:
         self._condition = threading.Condition()
         self._next = 0
         self._serving = 0
+        self._abandoned: Set[int] = set()
         self.timeout_s = timeout_s
 
     def take(self) -> int:
@@ -114,7 +128,24 @@ class TransferTurns:
         finally:
             with self._condition:
                 self._serving = ticket + 1
+                self._skip_abandoned()
                 self._condition.notify_all()
+
+    def abandon(self, ticket: int) -> None:
+        """``ticket`` will never take its turn (an asynchronous save dropped without being
+        run): the turns after it need not wait for it. Only for a ticket whose ``turn`` was
+        never entered; every rank drops the same saves, so the order stays the same everywhere."""
+        with self._condition:
+            if ticket < self._serving:
+                return
+            self._abandoned.add(ticket)
+            self._skip_abandoned()
+            self._condition.notify_all()
+
+    def _skip_abandoned(self) -> None:
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
+            self._serving += 1
 
 
 class CliqueReplicationStrategy:
@@ -132,6 +163,9 @@ class CliqueReplicationStrategy:
         self.target_device = target_device
         self.ranks = sorted(ranks) if ranks is not None else sorted(dist.get_process_group_ranks(local_group))
         self.turns = TransferTurns()
+        self.broken: Optional[str] = None  # why the group is out of step; None while it is usable
+        # (jump, factor, timeout) when built by from_replication_params: what rebuild() repeats
+        self._params: Optional[Tuple[int, int, timedelta]] = None
 
     @classmethod
     def from_replication_params(cls, replication_jump: Optional[int] = None, replication_factor: int = 2,
@@ -139,16 +173,42 @@ class CliqueReplicationStrategy:
         """Create every clique's group (collective: every rank calls this, in the same order)
         and keep this rank's. ``replication_jump`` defaults to the ranks per node."""
         jump = default_replication_jump() if replication_jump is None else replication_jump
-        cliques = parse_group_sequence(jump, replication_factor, dist.get_world_size())
-        me = dist.get_rank()
-        mine: Tuple[Optional[dist.ProcessGroup], List[int]] = (None, [])
-        for ranks in cliques:
-            group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-            if me in ranks:
-                mine = (group, ranks)
-        if mine[0] is None:
-            raise ReplicationConfigError(f"rank {me} is in none of the cliques {cliques}")
-        return cls(mine[0], "cpu", mine[1])
+        group, ranks = _new_clique_groups(jump, replication_factor, timeout)
+        strategy = cls(group, "cpu", ranks)
+        strategy._params = (jump, replication_factor, timeout)
+        return strategy
+
+    def rebuild(self) -> None:
+        """Replace the clique groups by new ones (collective: every rank of the job, in the
+        same order, from the thread that runs its other collectives) and clear ``broken``.
+        Waits for the transfers already asked for; the old groups are left alone (destroying
+        a gloo group with a broadcast still queued can hang)."""
+        if self._params is None:
+            raise ReplicationConfigError(
+                "this strategy was built from a process group, so it cannot rebuild it: build a new one with "
+                "CliqueReplicationStrategy.from_replication_params on every rank")
+        with self.turns.turn():
+            self.local_group, self.ranks = _new_clique_groups(*self._params)
+            self.broken = None
+
+    @contextlib.contextmanager
+    def _transfers(self, what: str) -> Iterator[None]:
+        """Refuse to use a broken group; mark it broken when a transfer stops part way."""
+        if self.broken is not None:
+            raise ReplicationBrokenError(
+                f"cannot {what}: the replication group of ranks {self.ranks} is out of step since {self.broken}; "
+                f"call rebuild() on every rank (CheckpointManager does at its next local save or load), or restart")
+        try:
+            yield
+        except BaseException as e:
+            self.broken = f"a transfer to {what} failed ({type(e).__name__}: {e})"
+            logger.error("rank %s: %s; the replication group of ranks %s is out of step until rebuild()",
+                         dist.get_rank(), self.broken, self.ranks)
+            if isinstance(e, Exception) and not isinstance(e, ReplicationBrokenError):
+                raise ReplicationBrokenError(
+                    f"{self.broken}: the replication group of ranks {self.ranks} is out of step; the save fails on "
+                    f"every rank and the group is rebuilt at the next local save (rebuild())") from e
+            raise
 
     # -- save: every member's part to every other member ----------------------------------------
 
@@ -158,11 +218,12 @@ class CliqueReplicationStrategy:
         copies were kept here."""
         me = dist.get_rank()
         kept = []
-        for owner in self.ranks:
-            if owner == me:
-                self._send_file(iteration, own.path if own is not None else None, own)
-            elif self._receive_file(iteration, owner, path_for(owner)):
-                kept.append(owner)
+        with self._transfers(f"replicate iteration {iteration}"):
+            for owner in self.ranks:
+                if owner == me:
+                    self._send_file(iteration, own.path if own is not None else None, own)
+                elif self._receive_file(iteration, owner, path_for(owner)):
+                    kept.append(owner)
         return kept
 
     def _header(self, values: Sequence[int], src: int) -> List[int]:
@@ -260,6 +321,11 @@ class CliqueReplicationStrategy:
         then used like its own part (``use_own()``: read and verify it; True if it served). A
         copy that fails is removed and the next holder tried. Returns the members still without
         a part."""
+        with self._transfers(f"retrieve iteration {iteration}"):
+            return self._retrieve(iteration, own_ok, held, own_path, use_own)
+
+    def _retrieve(self, iteration: int, own_ok: bool, held: Dict[int, Path], own_path: Path,
+                  use_own: Callable[[], bool]) -> List[int]:
         me = dist.get_rank()
         statuses: List[Optional[Tuple[bool, List[int]]]] = [None] * len(self.ranks)
         dist.all_gather_object(statuses, (own_ok, sorted(held)), group=self.local_group)
@@ -290,6 +356,20 @@ class CliqueReplicationStrategy:
         return still_missing
 
 
+def _new_clique_groups(jump: int, factor: int, timeout: timedelta) -> Tuple[dist.ProcessGroup, List[int]]:
+    """Create every clique's gloo group (collective over the job); this rank's group and ranks."""
+    cliques = parse_group_sequence(jump, factor, dist.get_world_size())
+    me = dist.get_rank()
+    mine: Tuple[Optional[dist.ProcessGroup], List[int]] = (None, [])
+    for ranks in cliques:
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if me in ranks:
+            mine = (group, ranks)
+    if mine[0] is None:
+        raise ReplicationConfigError(f"rank {me} is in none of the cliques {cliques}")
+    return mine[0], mine[1]
+
+
 def _chunk_buffers(size: int) -> List[torch.Tensor]:
     """Two chunk buffers: one on the wire while the other is read from or written to disk."""
     return [torch.empty(min(CHUNK_BYTES, max(size, 1)), dtype=torch.uint8) for _ in range(2)]
@@ -318,6 +398,13 @@ class LazyCliqueReplicationStrategy:
     @property
     def turns(self) -> TransferTurns:
         return self.replication_strategy.turns
+
+    @property
+    def broken(self) -> Optional[str]:
+        return self.replication_strategy.broken
+
+    def rebuild(self) -> None:
+        self.replication_strategy.rebuild()
 
     def replicate_parts(self, iteration: int, own: Optional[PartFile], path_for: Callable[[int], Path]) -> List[int]:
         return self.replication_strategy.replicate_parts(iteration, own, path_for)
