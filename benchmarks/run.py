@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # megatron_cpu: the CPU shims for megat
 sys.path.insert(0, str(ROOT))
 
 import dist_ckpt  # noqa: E402
+from dist_ckpt.runtime.collectives import DistWrapper  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  # noqa: E402
@@ -300,41 +301,137 @@ def _training_step(a: torch.Tensor, b: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+class _BareWriter:
+    """The floor of a background write (as ``step_slowdown_floor.py``): a process forked once,
+    at nice 19, that writes this rank's tensors (its copy-on-write view of them) to one file
+    with ``os.write`` and one fsync each time it is told to, and nothing else."""
+
+    def __init__(self, tensors: List[torch.Tensor], path: Path) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")
+        self._go, self._done = ctx.Event(), ctx.Queue()
+        self._process = ctx.Process(target=self._run, args=(tensors, str(path)), daemon=True)
+        self._process.start()
+
+    def _run(self, tensors: List[torch.Tensor], path: str) -> None:
+        os.nice(19)
+        while True:
+            self._go.wait()
+            self._go.clear()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            for t in tensors:
+                os.write(fd, t.reshape(-1).view(torch.uint8).numpy().data)
+            os.fsync(fd)
+            os.close(fd)
+            self._done.put(True)
+
+    def start(self) -> None:
+        self._go.set()
+
+    def done(self) -> bool:
+        if self._done.empty():
+            return False
+        self._done.get()
+        return True
+
+    def close(self) -> None:
+        self._process.kill()
+
+
+def _steps_while(finished: Callable[[], bool], a: torch.Tensor, b: torch.Tensor) -> float:
+    """Training steps until ``finished()`` (collective, every step: as
+    ``maybe_finalize_async_calls``) and the same number right after with nothing running:
+    the step slowdown (median step over the baseline's median step, minus 1)."""
+    steps = []
+    while not finished():
+        steps.append(_training_step(a, b))
+    dist.barrier()
+    baseline = statistics.median(_training_step(a, b) for _ in range(max(10, len(steps))))
+    return statistics.median(steps) / baseline - 1 if steps else 0.0
+
+
 def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, repeat: int, writer: str) -> Times:
-    """Blocking time, step slowdown and extra memory of dist_ckpt's async save (persistent
-    writer process); the first save (which allocates the staging buffers) is a warm-up."""
+    """dist_ckpt's async save (cached metadata, reused staging buffers) beside its floors, in
+    alternating order within each repeat: the step slowdown of a bare nice-19 writer of the
+    same bytes (``_BareWriter``), the staging copy alone (the floor of the blocked time: the
+    same tensors copied into touched buffers), and the same async save with a staging budget
+    of 25% of the rank's state (peak memory and blocked time). Round 0 (allocations) is a
+    warm-up."""
     torch.set_num_threads(1)  # one core per rank, as a training process bound to its core
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    strategy = TorchDistSaveShardedStrategy(async_writer=writer, cached_metadata=True)
+    tensors = [t for t, _ in state.values()]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    strategies = {"async": TorchDistSaveShardedStrategy(async_writer=writer, cached_metadata=True),
+                  "budget25": TorchDistSaveShardedStrategy(async_writer=writer, cached_metadata=True,
+                                                           async_staging_budget=state_bytes // 4)}
     queue = AsyncCallsQueue()
+    bare = _BareWriter(tensors, root / f"bare-{rank}.bin")
+    copies = [torch.empty_like(t).fill_(0) for t in tensors]
     times: Times = {}
+
+    def async_save(kind: str, r: int) -> None:
+        d = root / f"{kind}-{r}"
+        sharded = _sharded(state, rank, world)  # the training loop's own work (its state dict)
+        dist.barrier()
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            request = dist_ckpt.save(sharded, d, sharded_strategy=strategies[kind], async_sharded_save=True)
+            queue.schedule_async_request(request)
+            blocked = time.perf_counter() - start
+
+            def finished() -> bool:
+                queue.maybe_finalize_async_calls(blocking=False)
+                return not queue.get_num_unfinalized_calls()
+
+            slowdown = _steps_while(finished, a, b)
+            total = time.perf_counter() - start
+        if r > 0:
+            name = "async" if kind == "async" else "async_budget25"
+            _add(times, "dist_ckpt", f"{name}_blocked", blocked)
+            _add(times, "dist_ckpt", f"{name}_mem", rss.extra_mib)
+            staging = strategies[kind]._staging
+            _add(times, "dist_ckpt", f"{name}_staging_mib", staging.peak_bytes / 2**20 if staging else 0.0)
+            if kind == "async":
+                _add(times, "dist_ckpt", "async_total", total)
+                _add(times, "dist_ckpt", "async_step_slowdown", slowdown)
+        dist.barrier()
+        if rank == 0:
+            _remove(d)
+        dist.barrier()
+
+    def bare_write(r: int) -> None:
+        dist.barrier()
+        bare.start()
+        written = [False]
+
+        def finished() -> bool:
+            written[0] = written[0] or bare.done()
+            return bool(DistWrapper().all_reduce_min(int(written[0])))
+
+        slowdown = _steps_while(finished, a, b)
+        if r > 0:
+            _add(times, "floor", "async_step_slowdown", slowdown)
+        dist.barrier()
+
+    def staging_copy(r: int) -> None:
+        def copy() -> None:
+            for c, t in zip(copies, tensors):
+                c.copy_(t)
+
+        seconds = _timed(copy)
+        if r > 0:
+            _add(times, "floor", "async_blocked", seconds)
+
     try:
         for r in range(repeat + 1):
-            d = root / f"async-{r}"
-            dist.barrier()
-            with PeakRss() as rss:
-                start = time.perf_counter()
-                request = dist_ckpt.save(_sharded(state, rank, world), d, sharded_strategy=strategy,
-                                         async_sharded_save=True)
-                queue.schedule_async_request(request)
-                blocked = time.perf_counter() - start
-                steps = []
-                while queue.get_num_unfinalized_calls():
-                    steps.append(_training_step(a, b))
-                    queue.maybe_finalize_async_calls(blocking=False)
-                total = time.perf_counter() - start
-            dist.barrier()
-            # the same steps with no write running, right after: the baseline of this repeat
-            baseline = statistics.median(_training_step(a, b) for _ in range(max(10, len(steps))))
-            if r > 0:
-                _add(times, "dist_ckpt", "async_blocked", blocked)
-                _add(times, "dist_ckpt", "async_total", total)
-                _add(times, "dist_ckpt", "async_step_slowdown", statistics.median(steps) / baseline - 1 if steps else 0.0)
-                _add(times, "dist_ckpt", "async_mem", rss.extra_mib)
-            dist.barrier()
-            if rank == 0:
-                shutil.rmtree(d, ignore_errors=True)
+            order = [lambda: async_save("async", r), lambda: bare_write(r)]
+            for run in order if r % 2 == 0 else order[::-1]:
+                run()
+            staging_copy(r)
+            async_save("budget25", r)
     finally:
+        bare.close()
         queue.close()
         torch.set_num_threads(os.cpu_count() or 1)
     return times
@@ -534,6 +631,18 @@ def _ratios(results: Times) -> str:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
                      + f", step slowdown {med['async_step_slowdown']:+.1%}")
+    floor = {k: statistics.median(v) for k, v in results.get("floor", {}).items()}
+    if "async_step_slowdown" in floor and "async_step_slowdown" in med:
+        ratio = med["async_step_slowdown"] / floor["async_step_slowdown"] if floor["async_step_slowdown"] > 0 else 0
+        parts.append(f"async step slowdown {med['async_step_slowdown']:+.1%} against a bare writer's "
+                     f"{floor['async_step_slowdown']:+.1%} in the same run ({ratio:.2f}x the floor)")
+    if "async_blocked" in floor and "async_blocked" in med:
+        parts.append(f"async blocked {med['async_blocked'] * 1e3:.0f} ms = the staging copy "
+                     f"{floor['async_blocked'] * 1e3:.0f} ms + {(med['async_blocked'] - floor['async_blocked']) * 1e3:.0f} ms")
+    if "async_budget25_mem" in med:
+        parts.append(f"staging budget 25% of the state: staging memory {med['async_budget25_staging_mib']:.0f} MiB per "
+                     f"rank at its peak (unbounded: {med['async_staging_mib']:.0f} MiB), blocked "
+                     f"{med['async_budget25_blocked']:.3f} s (unbounded: {med['async_blocked']:.3f} s)")
     small = sorted(int(p.rsplit("_", 1)[1]) for p in med
                    if p.startswith("small_save_") and p.rsplit("_", 1)[1].isdigit())
     if len(small) > 1:

@@ -336,6 +336,13 @@ def test_staging_buffers_reuse_and_budget():
     assert torch.equal(second.buffers[0], tensors[0])
     third = pool.stage(tensors)  # the second save's write is still running: fresh buffers
     assert third.buffers[0] is not second.buffers[0] and pool.reused_bytes == 0 and pool.leased == 2
+    # the memory held: two saves in flight, 2 KiB each (within the budget each); the peak stays
+    assert pool.held_bytes == 4096 and pool.peak_bytes == 4096
+    second.release(), third.release()
+    assert pool.held_bytes == 4096  # kept for the next saves (two were in flight at once)
+    fourth = pool.stage(tensors)
+    assert pool.held_bytes == 4096 and pool.peak_bytes == 4096 and pool.reused_bytes == 2048
+    fourth.release()
     with pytest.raises(ValueError):
         StagingBuffers(budget_bytes=-1)
 

@@ -233,11 +233,15 @@ class DistWrapper:
         return value, [self._unpack(b) for b, _ in outcomes]
 
     def all_run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere."""
+        """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere.
+        Success costs one all-reduce of an int; only when some rank failed are the failures
+        gathered (every rank sees the same minimum, so all take the same path)."""
         value, failure, exc = self._run(fn)
+        if self.all_reduce_min(0 if failure is not None else 1):
+            return value
         failures = [f for f in self.all_gather_object(failure) if f is not None]
         _raise_first(failures, exc)
-        return value
+        return value  # pragma: no cover - some rank failed, so _raise_first raised
 
     def all_gather(self, fn: Callable[[], T]) -> List[T]:
         """Run ``fn`` on every rank and give every rank all results (or the same error)."""

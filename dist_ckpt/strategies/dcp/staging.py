@@ -47,6 +47,10 @@ class _BufferSet:
     buffers: List[Optional[torch.Tensor]] = field(default_factory=list)
     arenas: List[SharedArena] = field(default_factory=list)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(b) for b in self.buffers if b is not None)
+
 
 class StagingLease:
     """One save's staging copies (``buffers``, in the order of the staged tensors; None for a
@@ -87,7 +91,15 @@ class StagingBuffers:
         self._leased = 0  # sets owned by saves whose writes have not ended
         self._peak_leased = 0
         self._lock = threading.Lock()
+        self._leased_bytes = 0
         self.reused_bytes = 0  # of the last stage(): how much went into reused buffers
+        self.peak_bytes = 0  # the most staging memory held at once (leased and kept for reuse)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of staging copies held now: leased to saves in flight, or kept for the next."""
+        with self._lock:
+            return self._leased_bytes + sum(s.nbytes for s in self._idle)
 
     @property
     def leased(self) -> int:
@@ -103,11 +115,15 @@ class StagingBuffers:
             self._leased += 1
             self._peak_leased = max(self._peak_leased, self._leased)
         try:
-            return StagingLease(self, self._fill(old, tensors))
+            filled = self._fill(old, tensors)
         except BaseException:
             with self._lock:
                 self._leased -= 1
             raise
+        with self._lock:
+            self._leased_bytes += filled.nbytes
+            self.peak_bytes = max(self.peak_bytes, self._leased_bytes + sum(s.nbytes for s in self._idle))
+        return StagingLease(self, filled)
 
     def _fill(self, old: _BufferSet, tensors: List[torch.Tensor]) -> _BufferSet:
         staged: List[Optional[torch.Tensor]] = []
@@ -148,5 +164,6 @@ class StagingBuffers:
     def _give_back(self, buffer_set: _BufferSet) -> None:
         with self._lock:
             self._leased -= 1
+            self._leased_bytes -= buffer_set.nbytes
             self._idle.append(buffer_set)
             del self._idle[:-self._peak_leased]  # keep as many sets as were ever in flight at once
