@@ -357,6 +357,24 @@ class CheckpointManager:
             candidates.append(tracked)
         return candidates + [s for s in reversed(self.commit_order()) if s != tracked]
 
+    def _warn_if_committed_after_tracker(self, candidates: List[Step]) -> None:
+        """Say so when checkpoints committed after the one the tracker names: a save killed
+        between its commit and its tracker update. The tracker still decides (Megatron-LM's
+        rule, and after a rollback the later commits belong to an abandoned branch)."""
+        if not candidates or not self.dist.is_coordinator:
+            return
+        try:
+            order = self.commit_order()
+        except Exception:  # noqa: BLE001 - only a warning depends on it (the load reads the same store next)
+            return
+        tracked = candidates[0]
+        if tracked in order and order[-1] != tracked:
+            later = order[order.index(tracked) + 1:]
+            logger.warning(
+                "%s names step %s, but step(s) %s committed after it (a save stopped between its commit and the "
+                "tracker update, or a rollback to %s); resuming from %s as Megatron-LM does - load(step=%s) "
+                "takes the last one", TRACKER_FNAME, tracked, later, tracked, tracked, later[-1])
+
     def _coordinators_candidates(self) -> List[Step]:
         """The coordinator's ``_resume_candidates``, on every rank (its error on every rank)."""
         return self.dist.all_reduce(lambda: None, lambda _: self._resume_candidates())
@@ -384,6 +402,7 @@ class CheckpointManager:
             return result  # type: ignore[return-value]
         failures = []
         candidates = self._coordinators_candidates()
+        self._warn_if_committed_after_tracker(candidates)
         if self.local is not None:
             local_step = self.local.find_latest()
             # the persistent step a resume would take (the tracker's: after a rollback a higher

@@ -260,7 +260,8 @@ def test_export_include_dtype_rename_and_refusals(tmp_path):
     assert torch.equal(exported["model.weight"], _full("decoder.weight", (8, 6), torch.bfloat16).to(torch.float16))
     assert (tmp_path / "hf" / "model-00001-of-00001.safetensors").is_file()
 
-    with pytest.raises(CheckpointExistsError, match="not an empty directory"):
+    with pytest.raises(CheckpointExistsError, match=r"holds weights already \(model.safetensors.index.json, "
+                                                    r"model-00001-of-00001.safetensors\); pass overwrite=True"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "hf")  # refused: nothing of it is touched
     assert sorted(_read_safetensors_dir(tmp_path / "hf")) == ["model.norm", "model.weight"]
     with pytest.raises(CheckpointingException, match="both renamed"):
@@ -270,6 +271,128 @@ def test_export_include_dtype_rename_and_refusals(tmp_path):
     with pytest.raises(ValueError, match="not a size"):
         export_safetensors(tmp_path / "ckpt", tmp_path / "other", max_shard_size="5 parsecs")
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other.export-*"))
+
+
+def test_export_into_a_model_folder_with_config_and_tokenizer(tmp_path):
+    """Issue 23.2: a folder with config, tokenizer and README but no weights takes the export;
+    its other files stay; one with weights is refused unless overwrite, which replaces every old
+    weight file (a single model.safetensors and a pytorch_model.bin included); --config copies
+    a config in."""
+    run_distributed(_save_tp, 2, str(tmp_path / "ckpt"), "torch_dist")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    kept = {"config.json": '{"model_type": "x"}', "tokenizer.json": "{}", "README.md": "# a model\n"}
+    for name, text in kept.items():
+        (folder / name).write_text(text)
+    export_safetensors(tmp_path / "ckpt", folder, include=r"^decoder\.")
+    assert {p.name for p in folder.iterdir()} == set(kept) | {"model-00001-of-00001.safetensors",
+                                                             "model.safetensors.index.json"}
+    assert all((folder / name).read_text() == text for name, text in kept.items())
+    assert sorted(_read_safetensors_dir(folder)) == ["decoder.norm", "decoder.weight"]
+
+    (folder / "model.safetensors").write_bytes(b"old")  # weights of an earlier export, other names
+    (folder / "pytorch_model.bin").write_bytes(b"older")
+    with pytest.raises(CheckpointExistsError, match="pass overwrite=True"):
+        export_safetensors(tmp_path / "ckpt", folder)
+    config = tmp_path / "new_config.json"
+    config.write_text('{"model_type": "y"}')
+    export_safetensors(tmp_path / "ckpt", folder, max_shard_size=100, overwrite=True, config=config)
+    names = {p.name for p in folder.iterdir()}
+    assert names == {"tokenizer.json", "README.md", "config.json", "model.safetensors.index.json",
+                     *[f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]}
+    assert (folder / "config.json").read_text() == '{"model_type": "y"}'
+    assert sorted(_read_safetensors_dir(folder)) == ["decoder.norm", "decoder.weight", "optimizer.exp_avg"]
+    assert not list(tmp_path.glob(".model.export-*"))
+    with pytest.raises(CheckpointingException, match="is not a file"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "other", config=tmp_path / "missing.json")
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointExistsError, match="not a directory"):
+        export_safetensors(tmp_path / "ckpt", tmp_path / "a_file")
+
+
+def _llama_parts(rank: int, world: int, root: str) -> None:
+    """A tiny Llama's weights saved tensor-parallel (every 2-D weight split on axis 0 over the
+    ranks, vectors replicated) under dist_ckpt keys of its own."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_llama_config())
+    state = {}
+    for name, tensor in model.state_dict().items():
+        key = "gpt." + name
+        if tensor.dim() == 2:
+            rows = tensor.shape[0] // world
+            state[key] = ShardedTensor.from_rank_offsets(key, tensor[rank * rows:(rank + 1) * rows].clone(),
+                                                         (0, rank, world))
+        else:
+            state[key] = ShardedTensor.from_rank_offsets(key, tensor.clone(), replica_id=rank)
+    dist_ckpt.save(state, root)
+
+
+def _llama_config():
+    import transformers
+
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def test_transformers_loads_an_export_into_its_model_folder(tmp_path):
+    """Issue 23.2: config and a README first (save_pretrained of the config), weights exported
+    from a TP-2 checkpoint into that folder with a rename map; ``from_pretrained`` gives the
+    same logits as the model that was saved."""
+    import transformers
+
+    run_distributed(_llama_parts, 2, str(tmp_path / "ckpt"))
+    folder = tmp_path / "hf-model"
+    _llama_config().save_pretrained(folder)
+    (folder / "README.md").write_text("# tiny llama\n")
+    (tmp_path / "names.json").write_text(json.dumps({"rules": [[r"gpt\.(.*)", r"\1"]]}))
+    from dist_ckpt.tools.export import key_renamer_from_map
+
+    export_safetensors(tmp_path / "ckpt", folder, rename=key_renamer_from_map(tmp_path / "names.json"))
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(_llama_config()).eval()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+    tokens = torch.tensor([[1, 5, 9, 33, 2, 60]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, reference(tokens).logits)
+    assert (folder / "README.md").read_text() == "# tiny llama\n"
+
+
+def test_cli_export_renames_from_a_module_or_a_json_map(tmp_path, capsys, monkeypatch):
+    """Issue 23.3: ``--rename module:function`` from the current directory, ``--rename-map``
+    with exact names and regex rules, and clear errors for what cannot be used."""
+    from dist_ckpt.tools.cli import main
+
+    run_distributed(_save_tp, 2, str(tmp_path / "ckpt"), "torch_dist")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "my_renames.py").write_text(
+        "def to_hf(key):\n    return None if key.startswith('optimizer.') else 'model.' + key.split('.', 1)[1]\n")
+    monkeypatch.chdir(work)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "a"), "--rename", "my_renames:to_hf"]) == 0
+    assert sorted(_read_safetensors_dir(tmp_path / "a")) == ["model.norm", "model.weight"]
+    (work / "map.json").write_text(json.dumps({"names": {"decoder.norm": "model.final_norm.weight"},
+                                               "rules": [[r"decoder\.(\w+)", r"model.\1.w"],
+                                                         [r"optimizer\.(.*)", r"opt.\g<1>"]]}))
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "b"), "--rename-map", "map.json"]) == 0
+    exported = _read_safetensors_dir(tmp_path / "b")
+    assert sorted(exported) == ["model.final_norm.weight", "model.weight.w", "opt.exp_avg"]
+    assert torch.equal(exported["model.weight.w"], _full("decoder.weight", (8, 6), torch.bfloat16))
+    (work / "flat.json").write_text(json.dumps({"decoder.weight": "w"}))  # shorthand: names only
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "c"), "--rename-map", "flat.json"]) == 0
+    assert sorted(_read_safetensors_dir(tmp_path / "c")) == ["decoder.norm", "optimizer.exp_avg", "w"]
+    capsys.readouterr()
+    for args, message in ((["--rename", "no_such_module:f"], "cannot import module 'no_such_module'"),
+                          (["--rename", "my_renames:nope"], "my_renames has no function 'nope'"),
+                          (["--rename-map", "missing.json"], "cannot read it as JSON"),
+                          (["--rename", "x", "--rename-map", "map.json"], "give one of them")):
+        (work / "bad.json").write_text('{"rules": [["(", "x"]]}')
+        assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "d"), *args]) != 0
+        assert message in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "d"), "--rename-map", "bad.json"]) == 1
+    assert "bad regex '('" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
 
 
 def test_export_memory_is_bounded_by_the_largest_tensor(tmp_path):
@@ -319,7 +442,7 @@ def test_cli_export_inspect_and_version(dcp_checkpoint, tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "hf")]) == 0
     assert "Hugging Face safetensors" in capsys.readouterr().out
     assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 1
-    assert "not an empty directory" in capsys.readouterr().err
+    assert "holds weights already" in capsys.readouterr().err
     assert main(["export", str(ckpt), str(tmp_path / "x"), "--max-shard-size", "lots"]) == 2
     assert "not a size" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:

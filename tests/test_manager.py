@@ -122,6 +122,22 @@ def _load_newest(rank, world, root):
     return _value_of(CheckpointManager(root).load(_empty(rank, world)))
 
 
+def test_the_tracker_decides_and_a_later_commit_is_named(tmp_path, caplog):
+    """Issue 23.1: killed between the commit of step 8 and its tracker update, the tracker still
+    names 6: load() resumes from 6 (Megatron-LM's rule), says that 8 committed after it, and
+    tells which step it loaded; load(step=8) takes 8."""
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=5, async_save=False)
+    for step in (6, 8):
+        mgr.save(step, _state(0, 1, float(step)))
+    (root / TRACKER_FNAME).write_text("6")
+    with caplog.at_level(logging.WARNING, logger="dist_ckpt.manager"):
+        assert _value_of(mgr.load(_empty(0, 1))) == 6.0
+    assert mgr.loaded_step == 6
+    assert "names step 6, but step(s) [8] committed after it" in caplog.text and "load(step=8)" in caplog.text
+    assert _value_of(mgr.load(_empty(0, 1), step=8)) == 8.0 and mgr.loaded_step == 8
+
+
 def test_corrupted_newest_checkpoint_falls_back_on_every_rank(tmp_path, caplog):
     root = tmp_path / "run"
     mgr = CheckpointManager(root, keep_last=5, async_save=False)

@@ -86,12 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="replace a checkpoint at DST once the new one is complete (other files there are kept)")
     export = command("export", "write any checkpoint as Hugging Face safetensors shards + index, streaming")
     export.add_argument("src", metavar="SRC", help="a checkpoint directory or URL, any format")
-    export.add_argument("dst", metavar="DST", help="a new (or empty) directory or URL")
+    export.add_argument("dst", metavar="DST", help="a directory (new, or a model folder without weights) or URL")
     export.add_argument("--format", choices=["safetensors"], default="safetensors")
     export.add_argument("--max-shard-size", default="5GB", help="bytes per file: 5GB (default), 500MB, 2GiB")
     export.add_argument("--include", default=None, metavar="REGEX", help="only keys this regular expression finds")
     export.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32")
-    export.add_argument("--rename", default=None, help="a registered key renamer (dist_ckpt.key_renamers entry points)")
+    export.add_argument("--rename", default=None, metavar="NAME|MODULE:FUNCTION",
+                        help="a key renamer: a registered name (dist_ckpt.key_renamers entry points), or "
+                             "module:function imported from the current directory or PYTHONPATH")
+    export.add_argument("--rename-map", default=None, metavar="FILE.json",
+                        help='key renames as JSON: {"names": {old: new}, "rules": [[regex, replacement]]}')
+    export.add_argument("--config", default=None, metavar="FILE", help="a config.json to copy into DST")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace the weights DST holds already (its other files, e.g. tokenizer, stay)")
     command("strategies", "list registered strategies and whether their libraries are installed")
     validate = command("validate", "check a checkpoint: structure, coverage, checksums; exit code 1 when invalid")
     validate.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL")
@@ -195,10 +202,14 @@ def _run(args: argparse.Namespace) -> int:
                            storage_options=storage_options, progress=_progress_bar("converting"))
         print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
     elif args.command == "export":
-        from .export import export_safetensors
+        from .export import export_safetensors, key_renamer_from_map
 
-        result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, args.rename,
-                                    progress=_progress_bar("exporting"), storage_options=storage_options)
+        if args.rename and args.rename_map:
+            raise ValueError("--rename and --rename-map: give one of them")
+        rename = key_renamer_from_map(args.rename_map) if args.rename_map else args.rename
+        result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, rename,
+                                    progress=_progress_bar("exporting"), storage_options=storage_options,
+                                    overwrite=args.overwrite, config=args.config)
         print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
               f"in {len(result.files)} safetensors files")
     elif args.command == "validate":

@@ -9,12 +9,18 @@ The ``safetensors`` library has no streaming writer (``save_file`` takes the who
 the format (8-byte header length, JSON header, packed little-endian data) is written here and
 every test reads the result back with the library itself.
 
-Key renaming is a plug-in point: ``register_key_renamer(name, fn)`` or the entry-point group
-``dist_ckpt.key_renamers``; ``rename=`` takes a name or a callable ``(key) -> new key or None``
-(None drops the tensor).
+Key renaming is a plug-in point: ``register_key_renamer(name, fn)``, the entry-point group
+``dist_ckpt.key_renamers``, ``module:function`` (imported from the current directory or
+PYTHONPATH) or a JSON map (``key_renamer_from_map``: exact names and regex rules); ``rename=``
+takes a name or a callable ``(key) -> new key or None`` (None drops the tensor).
 
-The export is written into a hidden directory next to ``dst`` and renamed into place when
-complete: an interrupted export leaves no partial ``dst``. ``dst`` must not exist or be empty.
+The weight files are written into a hidden directory next to ``dst`` and moved into place when
+complete: an interrupted export leaves no partial ``dst``. ``dst`` may be a model folder that
+already holds ``config.json``, tokenizer files or a README (the usual flow: config and tokenizer
+first, weights from the training checkpoint): its other files stay, and it must hold no weights
+(``*.safetensors``, a safetensors or ``pytorch_model`` index, ``pytorch_model*.bin``) unless
+``overwrite`` - then the old weights are removed, index first, before the new ones move in, so a
+reader never sees old and new weights mixed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +55,8 @@ __all__ = [
     "export_safetensors",
     "register_key_renamer",
     "get_key_renamer",
+    "key_renamer_from_map",
+    "weight_files",
     "parse_size",
     "parse_dtype",
     "KEY_RENAMER_ENTRY_POINT_GROUP",
@@ -108,7 +117,10 @@ def register_key_renamer(name: str, fn: KeyRenamer, override: bool = False) -> N
 
 
 def get_key_renamer(name: str) -> KeyRenamer:
-    """A registered renamer, or one from the ``dist_ckpt.key_renamers`` entry-point group."""
+    """A registered renamer, one from the ``dist_ckpt.key_renamers`` entry-point group, or
+    ``module:function`` (imported as ``python -m`` would: the current directory first)."""
+    if ":" in name and name not in _renamers:
+        return _import_renamer(name)
     if name not in _renamers:
         for ep in importlib.metadata.entry_points(group=KEY_RENAMER_ENTRY_POINT_GROUP):
             if ep.name == name:
@@ -120,6 +132,61 @@ def get_key_renamer(name: str) -> KeyRenamer:
             f"dist_ckpt.tools.export.register_key_renamer or the '{KEY_RENAMER_ENTRY_POINT_GROUP}' entry-point group)"
         )
     return _renamers[name]
+
+
+def _import_renamer(spec: str) -> KeyRenamer:
+    """``module:function`` -> the function; the current directory is searched first."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise CheckpointingException(f"--rename {spec!r}: expected module:function (e.g. my_renames:to_hf)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CheckpointingException(f"--rename {spec!r}: cannot import module {module_name!r} ({e}); it is looked "
+                                     f"up in the current directory and on PYTHONPATH") from e
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise CheckpointingException(f"--rename {spec!r}: {module_name} has no function {attribute!r}")
+    return fn
+
+
+def key_renamer_from_map(path: Union[str, os.PathLike]) -> KeyRenamer:
+    """A renamer from a JSON file: ``{"names": {old: new, ...}, "rules": [[regex, replacement],
+    ...]}`` (or just ``{old: new, ...}``). A key listed in ``names`` takes that name; otherwise
+    the first rule whose regex matches the whole key gives ``match.expand(replacement)``
+    (``\\1`` or ``\\g<name>`` for groups); a key nothing matches keeps its name."""
+    try:
+        spec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"rename map {path}: cannot read it as JSON ({e})") from e
+    if not isinstance(spec, dict):
+        raise CheckpointingException(f"rename map {path}: expected a JSON object, got {type(spec).__name__}")
+    if not set(spec) <= {"names", "rules"} or not spec:
+        spec = {"names": spec}
+    names, rules = spec.get("names", {}), spec.get("rules", [])
+    if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
+        raise CheckpointingException(f"rename map {path}: 'names' must map strings to strings")
+    compiled = []
+    for rule in rules:
+        if not (isinstance(rule, list) and len(rule) == 2 and all(isinstance(x, str) for x in rule)):
+            raise CheckpointingException(f"rename map {path}: each rule is [regex, replacement], got {rule!r}")
+        try:
+            compiled.append((re.compile(rule[0]), rule[1]))
+        except re.error as e:
+            raise CheckpointingException(f"rename map {path}: bad regex {rule[0]!r}: {e}") from e
+
+    def rename(key: str) -> str:
+        if key in names:
+            return names[key]
+        for pattern, replacement in compiled:
+            match = pattern.fullmatch(key)
+            if match:
+                return match.expand(replacement)
+        return key
+
+    return rename
 
 
 @dataclass(frozen=True)
@@ -179,6 +246,8 @@ def export_safetensors(
     progress: Optional[Callable[[Iterable], Iterable]] = None,
     *,
     storage_options: Optional[dict] = None,
+    overwrite: bool = False,
+    config: Union[str, os.PathLike, None] = None,
 ) -> ExportResult:
     """Write every tensor of checkpoint ``src`` (any format dist_ckpt reads) to ``dst`` as HF
     safetensors shards plus index; one process, no process group needed.
@@ -192,8 +261,10 @@ def export_safetensors(
         progress: wraps the iteration over tensors (e.g. ``tqdm``).
         storage_options: for URL ``src``/``dst`` (fsspec). A URL target is written locally,
             then uploaded, the index last; it must hold no objects.
+        overwrite: replace the weights a local ``dst`` holds already (its other files stay).
+        config: a ``config.json`` to copy into ``dst`` (replacing the one there).
     Raises:
-        CheckpointExistsError: ``dst`` exists and is not an empty directory.
+        CheckpointExistsError: ``dst`` is a file, or holds weights and ``overwrite`` is False.
         CheckpointingException: two keys renamed to one name, or no tensor left to export.
     """
     if is_url(dst):
@@ -201,15 +272,23 @@ def export_safetensors(
         scratch = new_scratch_dir("export")
         try:
             result = export_safetensors(src, scratch / "export", max_shard_size, include, dtype, rename, progress,
-                                        storage_options=storage_options)
+                                        storage_options=storage_options, config=config)
             with phase("export: upload"):
                 upload_files(scratch / "export", str(dst), storage_options, last=[SAFETENSORS_INDEX_FNAME])
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return result
     src, dst = localize(src, storage_options), Path(os.path.abspath(dst))
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise CheckpointExistsError(f"{dst} exists and is not an empty directory; export to a new directory")
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointExistsError(f"{dst} exists and is not a directory; export to a (model) directory")
+    old_weights = weight_files(dst) if dst.is_dir() else []
+    if old_weights and not overwrite:
+        raise CheckpointExistsError(
+            f"{dst} holds weights already ({', '.join(p.name for p in old_weights[:4])}"
+            f"{', ...' if len(old_weights) > 4 else ''}); pass overwrite=True (--overwrite) to replace them "
+            f"(the folder's other files stay), or export to another directory")
+    if config is not None and not Path(config).is_file():
+        raise CheckpointingException(f"config {config} is not a file")
     limit = parse_size(max_shard_size)
     cast = parse_dtype(dtype)
     renamer = get_key_renamer(rename) if isinstance(rename, str) else (rename or (lambda key: key))
@@ -218,7 +297,7 @@ def export_safetensors(
     planned = _plan_tensors(src, loader, pattern, cast, renamer)
     shards = _plan_shards(planned, limit)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    total = _write_export(dst, shards, files, loader, src, progress)
+    total = _write_export(dst, shards, files, loader, src, progress, config)
     logger.info("exported %d tensors (%d bytes) of %s to %s in %d files", len(planned), total, src, dst, len(files))
     return ExportResult(files, len(planned), total)
 
@@ -244,10 +323,21 @@ def _plan_tensors(src: Path, loader: LoadShardedStrategy, pattern: Optional[re.P
     return planned
 
 
+def weight_files(directory: Path) -> List[Path]:
+    """The model weights in a Hugging Face model folder, indexes first: what an export replaces
+    (``*.safetensors``, their index, ``pytorch_model*.bin`` and its index)."""
+    found = [p for p in directory.iterdir() if p.is_file() and (
+        p.name.endswith(".safetensors") or p.name in (SAFETENSORS_INDEX_FNAME, "pytorch_model.bin.index.json")
+        or re.fullmatch(r"pytorch_model.*\.bin", p.name))]
+    return sorted(found, key=lambda p: (not p.name.endswith(".index.json"), p.name))
+
+
 def _write_export(dst: Path, shards: List[List[_Planned]], files: List[str], loader: LoadShardedStrategy, src: Path,
-                  progress: Optional[Callable[[Iterable], Iterable]]) -> int:
-    """The shard files and the index, written beside ``dst`` and renamed into place when
-    complete and durable. Returns the bytes of tensor data written."""
+                  progress: Optional[Callable[[Iterable], Iterable]], config: Union[str, os.PathLike, None]) -> int:
+    """The shard files and the index (and ``config``), written beside ``dst`` and moved into
+    place when complete and durable: the whole directory if ``dst`` is new or empty; else the
+    old weights go (index first), then the new files move in, the index last. Returns the
+    bytes of tensor data written."""
     staging = dst.parent / f".{dst.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
     try:
@@ -260,10 +350,24 @@ def _write_export(dst: Path, shards: List[List[_Planned]], files: List[str], loa
             json.dump(index, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
+        if config is not None:
+            shutil.copyfile(config, staging / "config.json")
+            with open(staging / "config.json", "rb+") as f:
+                os.fsync(f.fileno())
         fsync_directory(staging)
-        if dst.exists():
-            dst.rmdir()  # empty (checked above); rename cannot replace a directory otherwise on all systems
-        os.rename(staging, dst)
+        if not dst.exists() or not any(dst.iterdir()):
+            if dst.exists():
+                dst.rmdir()  # empty; rename cannot replace a directory otherwise on all systems
+            os.rename(staging, dst)
+        else:
+            for old in weight_files(dst):  # overwrite was asked for (checked before): index first
+                old.unlink()
+            fsync_directory(dst)
+            moved = files + (["config.json"] if config is not None else []) + [SAFETENSORS_INDEX_FNAME]
+            for name in moved:
+                os.replace(staging / name, dst / name)
+            fsync_directory(dst)
+            staging.rmdir()
         fsync_directory(dst.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
