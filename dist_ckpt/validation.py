@@ -306,7 +306,7 @@ def _validate_object_key(key: str, main: List[Tuple[int, ObjectDesc]], shape: Tu
         if len(seen) != expected:
             raise ShardingError(
                 f"ShardedObject '{key}': {len(seen)} main replicas for a global shape of {shape} "
-                f"({expected} shards); every shard needs exactly one rank with replica_id 0"
+                f"({expected} shards); a save needs every shard held by exactly one rank with replica_id 0"
             )
 
 

@@ -428,6 +428,17 @@ def _task_index(read_item: ReadItem) -> int:
     return cast(int, read_item.dest_index.index)
 
 
+def _stored_object_hint(key: str, stored: List[str]) -> str:
+    """How to ask for one of the stored shards of object ``key``."""
+    if not stored:
+        return "none is stored under this key"
+    try:
+        first = ShardedObject.empty_from_unique_key(stored[0])
+    except CheckpointingException:
+        return f"e.g. {stored[0]!r}"
+    return f"e.g. ShardedObject({key!r}, None, {first.global_shape}, {first.global_offset})"
+
+
 def _bytes_read_item(unique_key: str) -> ReadItem:
     index = MetadataIndex(unique_key)
     return ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))
@@ -488,7 +499,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                                 if isinstance(v, BytesStorageMetadata) and k.startswith(f"{sh_obj.key}/"))
                 raise KeyMismatchError(
                     f"ShardedObject '{sh_obj.unique_key}' is not in the checkpoint (shards stored for "
-                    f"'{sh_obj.key}': {stored}); objects cannot be resharded"
+                    f"'{sh_obj.key}': {stored}); objects cannot be resharded: this process's request must name "
+                    f"a stored shard - {_stored_object_hint(sh_obj.key, stored)} - or leave the key out of the "
+                    f"request"
                 )
             items.append(_bytes_read_item(sh_obj.unique_key))
         planner = _ViewLoadPlanner(requests, tasks)
