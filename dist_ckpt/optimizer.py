@@ -4,20 +4,36 @@ A torch optimizer's state dict refers to parameters by position (``state[param_i
 helpers find, for each position, the model's ShardedTensor of that parameter, and give each
 optimizer state tensor (``exp_avg``, ``exp_avg_sq``, ...) the same sharding under the key
 ``optimizer.state.<state key>.<model key>``, so optimizer states reshard with the model.
+
+``optimizer_sharded_state_dict(optimizer, model_sharded_state_dict)`` does the whole flow for a
+plain ``torch.optim`` optimizer in one call: it creates the state of a fresh optimizer (a step
+with learning rate 0 and zero gradients, which leaves the parameters bit-exactly as they were),
+shards the per-element states like their parameters, and keeps per-parameter scalars (Adam's
+``step``) as one ``ShardedObject`` per parameter, written once (by the rank holding the
+parameter's first shard) and read by every rank of any layout. Load into it, then hand the
+result to ``optimizer.load_state_dict``.
 """
 
 from __future__ import annotations
 
 import logging
+import itertools
 from copy import deepcopy
 from dataclasses import replace
-from typing import Dict, Iterable, Tuple, Union
+from typing import Any, Dict, Iterable, Tuple, Union
 
 import torch
 
 from .core import ShardingError
 from .dict_utils import nested_values
-from .mapping import LocalNonpersistentObject, ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict
+from .mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+)
 from .utils import extract_sharded_tensors_and_factories
 
 logger = logging.getLogger(__name__)
@@ -27,6 +43,8 @@ __all__ = [
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",
     "optim_state_to_sharding_state",
+    "init_optimizer_state",
+    "optimizer_sharded_state_dict",
 ]
 
 KEEP_VARS_HINT = (
@@ -119,3 +137,74 @@ def optim_state_to_sharding_state(
     for group in optim_state_dict["param_groups"]:
         group["params"] = LocalNonpersistentObject(group["params"])
     optim_state_dict["state"] = sharded_state
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter of ``optimizer`` its state (a fresh torch optimizer creates it at
+    its first step): one step with learning rate 0 and zero gradients for the parameters that
+    have none yet. The parameters do not change (AdamW: ``p * (1 - 0 * wd) + (-0) * update``
+    is ``p`` bit for bit); the gradients and learning rates are put back."""
+    missing = {id(p) for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state}
+    if not missing:
+        return
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = {p: p.grad for g in optimizer.param_groups for p in g["params"]}
+    try:
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+            for p in group["params"]:
+                p.grad = torch.zeros_like(p) if id(p) in missing else None  # others: skipped by the step
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs):
+            group["lr"] = lr
+        for p, grad in saved_grads.items():
+            p.grad = grad
+
+
+def _first_shard(sharded: Union[ShardedTensor, ShardedTensorFactory]) -> bool:
+    """Whether this rank holds the main replica of the parameter's first element (exactly one
+    rank does): the rank that saves the parameter's scalar states."""
+    replica = sharded.replica_id
+    main = all(r == 0 for r in replica) if isinstance(replica, tuple) else replica == 0
+    flat = getattr(sharded, "flattened_range", None)
+    return main and all(o == 0 for o in getattr(sharded, "global_offset", ())) and (flat is None or flat.start == 0)
+
+
+def optimizer_sharded_state_dict(optimizer: torch.optim.Optimizer, model_sharded_state_dict: ShardedStateDict,
+                                 prefix: str = "optimizer") -> StateDict:
+    """``optimizer``'s state dict, sharded like the model's parameters: what to save, or (from a
+    fresh optimizer) what to load into before ``optimizer.load_state_dict(loaded)``.
+
+    The model's sharded state dict must hold the parameters themselves (``keep_vars=True``).
+    Per-element states (same shape as the parameter's local piece) become ShardedTensors keyed
+    ``{prefix}.state.<state key>.<model key>``; everything else of a parameter's state (0-dim
+    tensors such as ``step``, numbers) a ShardedObject of the same key, saved by the rank that
+    holds the parameter's first shard. ``param_groups`` keep the current optimizer's parameter
+    positions on load (hyperparameters come from the checkpoint)."""
+    init_optimizer_state(optimizer)
+    id_map = get_param_id_to_sharded_param_map(
+        model_sharded_state_dict, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups))
+    state_dict = optimizer.state_dict()
+    sharded: Dict[int, Dict[str, Any]] = {}
+    for param_id, param_state in state_dict["state"].items():
+        if param_id not in id_map:
+            raise ShardingError(f"optimizer parameter {param_id} is not a ShardedTensor of the model state dict."
+                                + KEEP_VARS_HINT)
+        model_param = id_map[param_id]
+        local_shape = tuple(getattr(model_param, "local_shape", ()) or ())
+        entries: Dict[str, Any] = {}
+        for state_key, value in param_state.items():
+            key = f"{prefix}.state.{state_key}"
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and (
+                    isinstance(model_param, ShardedTensorFactory) or tuple(_local(value).shape) == local_shape):
+                entries[state_key] = make_sharded_optimizer_tensor(model_param, value, prefix=key)
+            else:
+                entries[state_key] = ShardedObject(f"{key}.{model_param.key}", value, (1,), (0,),
+                                                   replica_id=0 if _first_shard(model_param) else 1)
+        sharded[param_id] = entries
+    state_dict["state"] = sharded
+    state_dict["param_groups"] = deepcopy(state_dict["param_groups"])
+    for group in state_dict["param_groups"]:
+        group["params"] = LocalNonpersistentObject(group["params"])
+    return state_dict
