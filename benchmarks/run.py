@@ -638,8 +638,9 @@ def _ratios(results: Times) -> str:
         parts.append(f"async step slowdown {med['async_step_slowdown']:+.1%} against a bare writer's "
                      f"{floor['async_step_slowdown']:+.1%} in the same run ({ratio:.2f}x the floor)")
     if "async_blocked" in floor and "async_blocked" in med:
+        excess = med["async_blocked"] - floor["async_blocked"]
         parts.append(f"async blocked {med['async_blocked'] * 1e3:.0f} ms = the staging copy "
-                     f"{floor['async_blocked'] * 1e3:.0f} ms + {(med['async_blocked'] - floor['async_blocked']) * 1e3:.0f} ms")
+                     f"{floor['async_blocked'] * 1e3:.0f} ms + {excess * 1e3:.0f} ms")
     if "async_budget25_mem" in med:
         parts.append(f"staging budget 25% of the state: staging memory {med['async_budget25_staging_mib']:.0f} MiB per "
                      f"rank at its peak (unbounded: {med['async_staging_mib']:.0f} MiB), blocked "

@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "(default: a temporary directory, removed after)")
     demo.add_argument("--save-ranks", type=_positive_int, default=2, metavar="N", help="ranks that save (default 2)")
     demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="N", help="ranks that load (default 3)")
+    demo.add_argument("--size", default=None, metavar="SIZE",
+                      help="save and load SIZE (e.g. 1GiB) of fp32 matrices instead, beside raw file I/O of the "
+                           "same bytes (throughput of both)")
+    demo.add_argument("--manager", action="store_true",
+                      help="a short training loop on CheckpointManager: async saves, all ranks killed during one, "
+                           "a bit-exact resume")
     inspect = command("inspect", "per tensor: dtype, shape, bytes, chunks, writers; totals per prefix; backends")
     inspect.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL, any format")
     inspect.add_argument("--json", action="store_true", help="one JSON document instead of text")
@@ -183,9 +189,21 @@ def _run(args: argparse.Namespace) -> int:
     """One command; errors are left to ``main``, which prints them as one line."""
     storage_options = _parse_storage_options(args.storage_options)
     if args.command == "demo":
-        from .demo import run_demo
+        if args.size is not None and args.manager:
+            raise ValueError("--size and --manager are two demos: give one of them")
+        if args.size is not None:
+            from .demo_size import run_size_demo
+            from .export import parse_size
 
-        run_demo(args.dir, args.save_ranks, args.load_ranks)
+            run_size_demo(parse_size(args.size), args.dir, args.save_ranks, args.load_ranks)
+        elif args.manager:
+            from .demo_manager import run_manager_demo
+
+            run_manager_demo(args.dir)
+        else:
+            from .demo import run_demo
+
+            run_demo(args.dir, args.save_ranks, args.load_ranks)
     elif args.command == "inspect":
         _inspect(args.directory, storage_options, args.json)
     elif args.command == "diff":
