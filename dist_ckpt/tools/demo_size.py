@@ -146,8 +146,8 @@ def run_size_demo(size: int, directory: Optional[str] = None, save_ranks: int = 
         phases = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
         resharded = max(run_distributed(_load_rank, load_ranks, str(root), matrices, rows))
         print(f"  {'':34s}{'dist_ckpt':>22s}{'raw file I/O':>24s}  dist_ckpt / raw")
-        rows = (("save, until durable", "save", "raw_save"), ("load, same layout", "load", "raw_load"))
-        for label, ours, raw in rows:
+        table = (("save, until durable", "save", "raw_save"), ("load, same layout", "load", "raw_load"))
+        for label, ours, raw in table:
             print(f"  {label:34s}{_rate(nbytes, phases[ours]):>22s}{_rate(nbytes, phases[raw]):>24s}"
                   f"  {phases[raw] / phases[ours]:.2f}")
         print(f"  {f'load resharded to {load_ranks} ranks':34s}{_rate(nbytes, resharded):>22s}")
