@@ -22,13 +22,13 @@ def test_demo_saves_with_two_ranks_and_loads_resharded_with_three(tmp_path):
 
 @pytest.mark.slow
 def test_demo_of_a_size_prints_throughput_beside_raw_file_io(tmp_path):
-    """Issue 23.6: --size (64 MiB here; 1GiB in the README) saves, loads in the same layout and
+    """Issue 23.6: --size (16 MiB here; 1GiB in the README) saves, loads in the same layout and
     resharded, checks every byte, and prints dist_ckpt's and raw file I/O's throughput."""
-    out = subprocess.run([sys.executable, "-m", "dist_ckpt.tools.cli", "demo", "--size", "64MiB", "--dir",
+    out = subprocess.run([sys.executable, "-m", "dist_ckpt.tools.cli", "demo", "--size", "16MiB", "--dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].startswith("dist_ckpt demo: 0.06 GiB (") and lines[-1] == "OK"
+    assert lines[0].startswith("dist_ckpt demo: 0.02 GiB (") and lines[-1] == "OK"
     for phase in ("save, until durable", "load, same layout"):
         row = next(line for line in lines if line.strip().startswith(phase))
         assert row.count("GB/s") == 2, row  # dist_ckpt and raw file I/O
@@ -40,8 +40,6 @@ def test_demo_of_a_size_prints_throughput_beside_raw_file_io(tmp_path):
 def test_manager_demo_is_killed_and_resumes_bit_exactly(tmp_path):
     """Issue 23.6: --manager: async saves, every rank killed during the save of step 6, the new
     job resumes from step 4 bit-exactly and ends equal to an uninterrupted run."""
-    from dist_ckpt.tools.demo_manager import run_manager_demo
-
     out = subprocess.run([sys.executable, "-m", "dist_ckpt.tools.cli", "demo", "--manager"], capture_output=True,
                          text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
@@ -49,8 +47,7 @@ def test_manager_demo_is_killed_and_resumes_bit_exactly(tmp_path):
     assert "every rank is killed (SIGKILL) while the save of step 6 is in flight" in out.stdout
     assert "resumed from step 4" in out.stdout and "step 4's bit for bit: True" in out.stdout
     assert "never interrupted: True" in out.stdout and out.stdout.strip().endswith("OK")
-    assert run_manager_demo(str(tmp_path / "again")) == {"resumed": 4, "exact_at_resume": True,
-                                                         "exact_at_end": True, "steps": [8, 10]}
+    assert "committed checkpoints kept: [8, 10]" in out.stdout
 
 
 def test_inspect_and_errors(tmp_path, capsys):
