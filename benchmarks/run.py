@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import dist_ckpt  # noqa: E402
 from dist_ckpt.runtime.collectives import DistWrapper  # noqa: E402
+from dist_ckpt.runtime.durable import drop_page_cache  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  # noqa: E402
@@ -108,17 +109,6 @@ def _sharded(state: Dict[str, tuple], rank: int, world: int, module: Any = None)
         else:
             out[key] = cls.from_rank_offsets(key, tensor, (axis, rank, world))
     return out
-
-
-def _drop_cache(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _remove(directory: Path) -> None:
@@ -273,7 +263,7 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, part
             load_mem: List[float] = []
             t_save = _timed(lambda: save(d), save_mem)
             if rank == 0:
-                _drop_cache(d)  # every rank's files: they all sit in d
+                drop_page_cache(d)  # every rank's files: they all sit in d
             dist.barrier()
             t_load = _timed(lambda: load(d), load_mem)
             t_cached = _timed(lambda: load(d))
@@ -481,7 +471,7 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
         module = dist_ckpt.mapping if name == "dist_ckpt" else mdc.mapping
         load = dist_ckpt.load if name == "dist_ckpt" else mdc.load
         for _ in range(repeat):
-            _drop_cache(ckpt)
+            drop_page_cache(ckpt)
             request = {k: module.ShardedTensor.from_rank_offsets(k, t) for k, t in targets.items()}
             _add(times, name, "load_resharded", _timed(lambda: load(request, str(ckpt))))
     return times
@@ -523,7 +513,7 @@ def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat
             phases[f"{tier}_save_total"] = time.perf_counter() - start
         mgr.close()
         if rank == 0:
-            _drop_cache(persist)
+            drop_page_cache(persist)
         target = request()
         phases["restore_persistent"] = _timed(lambda: dist_ckpt.load(target, persist / "iter_0000004"))
         phases.update(_read_floors(state, rank, persist, Path(local)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "is_main_replica",
     "apply_factories",
     "apply_factory_merges",
+    "missing_object_shard_message",
 ]
 
 ReplicaId = Union[int, Tuple[int, ...]]
@@ -373,6 +374,21 @@ class ShardedObject(ShardedBase):
         if len(shape) + 1 == len(offset):
             shape += (-1,)
         return cls(key, None, shape, offset, replica_id)
+
+
+def missing_object_shard_message(requested: ShardedObject, stored: Sequence[str]) -> str:
+    """Why ``requested`` cannot be loaded from a checkpoint that stores only the shards
+    ``stored`` (unique keys) of its key, and which shard the request should name instead."""
+    hint = "none is stored under this key"
+    if stored:
+        try:
+            first = ShardedObject.empty_from_unique_key(stored[0])
+            hint = f"e.g. ShardedObject({requested.key!r}, None, {first.global_shape}, {first.global_offset})"
+        except ShardingError:
+            hint = f"e.g. {stored[0]!r}"
+    return (f"ShardedObject '{requested.unique_key}' is not in the checkpoint (shards stored for '{requested.key}': "
+            f"{list(stored)}); objects cannot be resharded: this process's request must name a stored shard - "
+            f"{hint} - or leave the key out of the request")
 
 
 FactoryBuildFn = Callable[[str, torch.Tensor, ReplicaId, Optional[slice]], ShardedStateDict]

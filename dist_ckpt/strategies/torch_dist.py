@@ -45,7 +45,14 @@ from ..core import (
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity.manifest import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
 from ..integrity.safe_unpickle import safe_torch_load
-from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from ..mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+    missing_object_shard_message,
+)
 from ..runtime.collectives import DistWrapper
 from ..runtime.durable import atomic_write_bytes, fsync_directory
 from ..sharding.fingerprint import structure_fingerprint
@@ -428,17 +435,6 @@ def _task_index(read_item: ReadItem) -> int:
     return cast(int, read_item.dest_index.index)
 
 
-def _stored_object_hint(key: str, stored: List[str]) -> str:
-    """How to ask for one of the stored shards of object ``key``."""
-    if not stored:
-        return "none is stored under this key"
-    try:
-        first = ShardedObject.empty_from_unique_key(stored[0])
-    except CheckpointingException:
-        return f"e.g. {stored[0]!r}"
-    return f"e.g. ShardedObject({key!r}, None, {first.global_shape}, {first.global_offset})"
-
-
 def _bytes_read_item(unique_key: str) -> ReadItem:
     index = MetadataIndex(unique_key)
     return ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]), torch.Size([0]))
@@ -497,12 +493,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if not isinstance(metadata.state_dict_metadata.get(sh_obj.unique_key), BytesStorageMetadata):
                 stored = sorted(k for k, v in metadata.state_dict_metadata.items()
                                 if isinstance(v, BytesStorageMetadata) and k.startswith(f"{sh_obj.key}/"))
-                raise KeyMismatchError(
-                    f"ShardedObject '{sh_obj.unique_key}' is not in the checkpoint (shards stored for "
-                    f"'{sh_obj.key}': {stored}); objects cannot be resharded: this process's request must name "
-                    f"a stored shard - {_stored_object_hint(sh_obj.key, stored)} - or leave the key out of the "
-                    f"request"
-                )
+                raise KeyMismatchError(missing_object_shard_message(sh_obj, stored))
             items.append(_bytes_read_item(sh_obj.unique_key))
         planner = _ViewLoadPlanner(requests, tasks)
         reader.set_up_storage_reader(metadata, True)

@@ -7,12 +7,13 @@ tests use the same model.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, cast
+from typing import Any, Dict, Iterator, Optional, Tuple, cast
 
 import torch
 
@@ -21,7 +22,7 @@ from ..mapping import ShardedObject, ShardedTensor
 from ..runtime.launch import run_distributed
 from ..serialization import load, load_tensors_metadata, save
 
-__all__ = ["MODEL", "LAYERS", "global_tensor", "sharded_model", "check_loaded", "run_demo"]
+__all__ = ["MODEL", "LAYERS", "global_tensor", "sharded_model", "check_loaded", "run_demo", "scratch_root"]
 
 LAYERS = 2
 # key -> (global shape, dtype)
@@ -133,6 +134,21 @@ def _demo_load(rank: int, world: int, ckpt: str) -> float:
     elapsed = time.perf_counter() - start
     check_loaded(cast(Dict[str, object], loaded), rank, world, with_objects=False)  # default strict: a dict
     return elapsed
+
+
+@contextlib.contextmanager
+def scratch_root(directory: Optional[str], name: str) -> Iterator[Path]:
+    """``directory/name`` (a temporary directory's when None), emptied before and removed after
+    the block: the ``--size`` and ``--manager`` demos keep nothing."""
+    tmp = tempfile.mkdtemp(prefix="dist_ckpt_demo_") if directory is None else None
+    root = Path(tmp if tmp is not None else cast(str, directory)) / name
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_demo(directory: Optional[str] = None, save_ranks: int = 2, load_ranks: int = 3) -> None:

@@ -10,11 +10,8 @@ step 10, and checks that the result equals that of a run that was never interrup
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 import time
-from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -22,6 +19,7 @@ import torch
 from ..manager import CheckpointManager
 from ..mapping import ShardedTensor
 from ..runtime.launch import RankFailedError, run_distributed
+from .demo import scratch_root
 
 __all__ = ["run_manager_demo", "STEPS", "SAVE_EVERY", "KILLED_AFTER_SAVE_OF"]
 
@@ -110,12 +108,7 @@ def _second_job(rank: int, world: int, root: str) -> Dict[str, object]:
 
 def run_manager_demo(directory: Optional[str] = None, world: int = 2) -> Dict[str, object]:
     """Run both jobs; raise AssertionError unless the resume was bit-exact on every rank."""
-    tmp = None
-    if directory is None:
-        tmp = directory = tempfile.mkdtemp(prefix="dist_ckpt_demo_")
-    root = Path(directory) / "manager_demo"
-    shutil.rmtree(root, ignore_errors=True)
-    try:
+    with scratch_root(directory, "manager_demo") as root:
         print(f"dist_ckpt demo --manager: {world} ranks train {STEPS} steps, CheckpointManager({root}, "
               f"async_save=True, keep_last=2) saves every {SAVE_EVERY} steps", flush=True)
         try:
@@ -128,7 +121,3 @@ def run_manager_demo(directory: Optional[str] = None, world: int = 2) -> Dict[st
             raise AssertionError(f"the resume was not bit-exact on every rank: {results}")
         print("OK")
         return results[0]
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)

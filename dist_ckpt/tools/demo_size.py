@@ -10,17 +10,17 @@ every rank of any layout checks what it loaded without anyone sending it the tru
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from ..mapping import ShardedTensor
+from ..runtime.durable import drop_page_cache
 from ..runtime.launch import run_distributed
 from ..serialization import load, save
+from .demo import scratch_root
 
 __all__ = ["run_size_demo", "COLUMNS"]
 
@@ -50,68 +50,49 @@ def _state(rank: int, world: int, matrices: int, rows: int, empty: bool) -> Dict
         (0, rank, world)) for i in range(matrices)}
 
 
-def _drop_cache(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
-def _barrier() -> None:
+def _timed(step: Callable[[], object]) -> float:
+    """Seconds ``step`` takes, from a barrier to the barrier after it on every rank."""
     import torch.distributed as dist
 
     dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start
 
 
 def _save_rank(rank: int, world: int, root: str, matrices: int, rows: int) -> Dict[str, float]:
     state = _state(rank, world, matrices, rows, empty=False)
+    targets = _state(rank, world, matrices, rows, empty=True)
     raw = Path(root) / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    start = time.perf_counter()
-    with open(raw / f"rank{rank}.bin", "wb") as f:
-        for sh in state.values():
-            f.write(sh.require_data().numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
-    _barrier()
-    raw_save = time.perf_counter() - start
-    start = time.perf_counter()
-    save(state, Path(root) / "ckpt")
-    _barrier()
-    ours = time.perf_counter() - start
-    targets = _state(rank, world, matrices, rows, empty=True)
+
+    def raw_save() -> None:
+        with open(raw / f"rank{rank}.bin", "wb") as f:
+            for sh in state.values():
+                f.write(sh.require_data().numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def raw_load() -> None:
+        with open(raw / f"rank{rank}.bin", "rb") as f:
+            for sh in targets.values():
+                f.readinto(sh.require_data().numpy().data)
+
+    times = {"raw_save": _timed(raw_save), "save": _timed(lambda: save(state, Path(root) / "ckpt"))}
     if rank == 0:
-        _drop_cache(raw)
-        _drop_cache(Path(root) / "ckpt")
-    _barrier()
-    start = time.perf_counter()
-    with open(raw / f"rank{rank}.bin", "rb") as f:
-        for sh in targets.values():
-            f.readinto(sh.require_data().numpy().data)
-    _barrier()
-    raw_load = time.perf_counter() - start
-    start = time.perf_counter()
-    load(targets, Path(root) / "ckpt")
-    _barrier()
-    ours_load = time.perf_counter() - start
+        drop_page_cache(root)
+    times["raw_load"] = _timed(raw_load)  # each phase starts at a barrier: after the cache is dropped
+    times["load"] = _timed(lambda: load(targets, Path(root) / "ckpt"))
     _check(targets, rank, world, rows)
-    return {"raw_save": raw_save, "save": ours, "raw_load": raw_load, "load": ours_load}
+    return times
 
 
 def _load_rank(rank: int, world: int, root: str, matrices: int, rows: int) -> float:
     targets = _state(rank, world, matrices, rows, empty=True)
     if rank == 0:
-        _drop_cache(Path(root) / "ckpt")
-    _barrier()
-    start = time.perf_counter()
-    load(targets, Path(root) / "ckpt")
-    _barrier()
-    elapsed = time.perf_counter() - start
+        drop_page_cache(Path(root) / "ckpt")
+    elapsed = _timed(lambda: load(targets, Path(root) / "ckpt"))
     _check(targets, rank, world, rows)
     return elapsed
 
@@ -133,12 +114,7 @@ def run_size_demo(size: int, directory: Optional[str] = None, save_ranks: int = 
     beside each phase."""
     matrices, rows = _layout(size, save_ranks, load_ranks)
     nbytes = matrices * rows * COLUMNS * 4
-    tmp = None
-    if directory is None:
-        tmp = directory = tempfile.mkdtemp(prefix="dist_ckpt_demo_")
-    root = Path(directory) / "size_demo"
-    shutil.rmtree(root, ignore_errors=True)
-    try:
+    with scratch_root(directory, "size_demo") as root:
         print(f"dist_ckpt demo: {nbytes / 2**30:.2f} GiB ({matrices} fp32 matrices of {rows} x {COLUMNS}) saved by "
               f"{save_ranks} ranks (tensor-parallel), loaded by {save_ranks} and by {load_ranks} ranks, "
               f"in {root}; cold page cache for every load")
@@ -154,7 +130,3 @@ def run_size_demo(size: int, directory: Optional[str] = None, save_ranks: int = 
         print("  every loaded byte checked; raw file I/O: os.write + fsync, then readinto, one file per rank; one "
               "run (benchmarks/run.py takes medians of several)")
         print("OK")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -40,7 +40,7 @@ from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple, Un
 import torch
 
 from ..core import CheckpointExistsError, CheckpointingException
-from ..runtime.durable import fsync_directory
+from ..runtime.durable import fsync_directory, fsync_path
 from ..runtime.timing import phase
 from ..serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from ..storage.formats import SAFETENSORS_INDEX_FNAME
@@ -352,8 +352,7 @@ def _write_export(dst: Path, shards: List[List[_Planned]], files: List[str], loa
             os.fsync(f.fileno())
         if config is not None:
             shutil.copyfile(config, staging / "config.json")
-            with open(staging / "config.json", "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_path(staging / "config.json")
         fsync_directory(staging)
         if not dst.exists() or not any(dst.iterdir()):
             if dst.exists():
