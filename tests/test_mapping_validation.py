@@ -246,10 +246,27 @@ def _save_rank_objects(rank: int, world: int, root: str) -> None:
     dist_ckpt.save({"rng": ShardedObject("rng", {"rank": rank}, (world,), (rank,))}, root)
 
 
+def _megatron_loads_object_shards(rank: int, world: int, root: str) -> list:
+    """Megatron-Core, one rank of a new layout, on dist_ckpt's checkpoint: the error of each
+    request (None if it loaded), the stored shard 0 first, then the new layout's shape."""
+    from megatron_cpu import megatron_dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    mdc = megatron_dist_checkpointing()
+    errors = []
+    for shape in ((2,), (1,)):
+        try:
+            mdc.load({"rng": mdc.mapping.ShardedObject("rng", None, shape, (0,))}, root)
+            errors.append(None)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - its messages are compared, not types
+            errors.append(str(e))
+    return errors
+
+
 def test_one_process_loads_one_shard_of_an_object_and_a_wrong_request_says_what_to_ask(tmp_path):
     """Issue 23.5: one process of a new layout loads shard 0 of a 2-rank object (a load checks
-    that shards are held at most once, not that all are requested); a request in the new
-    layout's shape is told which stored shard to name instead, and the ways out."""
+    that shards are held at most once, not that all are requested; Megatron-Core refuses it); a
+    request in the new layout's shape is told which stored shard to name instead."""
     from dist_helpers import run_distributed
 
     run_distributed(_save_rank_objects, 2, str(tmp_path / "ckpt"))
@@ -260,3 +277,9 @@ def test_one_process_loads_one_shard_of_an_object_and_a_wrong_request_says_what_
                              r"'rng/shard_1_2'\]\); objects cannot be resharded: this process's request must name a "
                              r"stored shard - e.g. ShardedObject\('rng', None, \(2,\), \(0,\)\) - or leave the key out"):
         dist_ckpt.load({"rng": ShardedObject("rng", None, (1,), (0,))}, tmp_path / "ckpt")
+    # Megatron-Core on the same checkpoint refuses both: its access check wants every shard of an
+    # object requested by some rank also at load (dist_ckpt asks that only at save, so a new layout
+    # with fewer ranks can take the per-rank objects it has a place for)
+    one_shard, new_shape = run_distributed(_megatron_loads_object_shards, 1, str(tmp_path / "ckpt"))[0]
+    assert one_shard is not None and "1 ShardedObject are missing" in one_shard
+    assert new_shape is not None
