@@ -17,6 +17,9 @@ every tool in turn, in an order that rotates between repeats. Phases:
   load_cached     the same load again, files in the page cache;
   load_resharded  the 2-rank checkpoint loaded whole by 1 rank (cold cache; tools that
                   cannot reshard are not measured);
+  load_resharded_4to2 / _2to4   dist_ckpt: a 4-rank checkpoint loaded by 2 ranks and a 2-rank
+                  one by 4, each in turn with the same-layout load on as many ranks
+                  (load_same_2ranks / _4ranks): the same bytes per rank, cold cache;
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -477,6 +480,34 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
+def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, measure: bool) -> Times:
+    """Save the state as a ``world``-rank dist_ckpt checkpoint (``reshard-<world>``); with
+    ``measure``, load in turn this checkpoint (same layout) and the other rank count's
+    (resharded: 4 -> 2 or 2 -> 4 ranks), cold cache. Both loads read the same bytes per rank
+    (the whole state over ``world`` ranks), so their ratio is what resharding itself costs;
+    ``load_resharded`` (1 rank reads all) also has one reader process instead of 2."""
+    state = model_state(size_mib, rank, world)
+    own = Path(root) / f"reshard-{world}"
+    times: Times = {}
+    if not measure:
+        dist_ckpt.save(_sharded(state, rank, world), own)
+        return times
+    other_world = 4 if world == 2 else 2
+    loads = [(f"load_same_{world}ranks", own), (f"load_resharded_{other_world}to{world}",
+                                                 Path(root) / f"reshard-{other_world}")]
+    targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
+    del state
+    for r in range(repeat + 1):  # round 0: warm-up, discarded
+        for phase, ckpt in (loads if r % 2 else loads[::-1]):
+            if rank == 0:
+                drop_page_cache(ckpt)
+            request = _sharded(targets, rank, world)
+            seconds = _timed(lambda: dist_ckpt.load(request, ckpt))
+            if r > 0:
+                _add(times, "dist_ckpt", phase, seconds)
+    return times
+
+
 def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat: int) -> Times:
     """The local tier (CheckpointManager with local_dir on tmpfs, copies on a peer) against the
     persistent tier, same state, same run: async save blocked and total time of each tier;
@@ -617,7 +648,11 @@ def _ratios(results: Times) -> str:
     parts = [f"{phase} {statistics.median(raw[phase]) / med[phase]:.2f} of raw" for phase in ("save", "load")
              if phase in raw and phase in med]
     if "load_resharded" in med:
-        parts.append(f"resharded/same-layout load {med['load_resharded'] / med['load']:.2f}x")
+        parts.append(f"resharded (1 rank reads all) / same-layout (2 ranks) load {med['load_resharded'] / med['load']:.2f}x")
+    for a, b in ((4, 2), (2, 4)):
+        if f"load_resharded_{a}to{b}" in med:
+            parts.append(f"load resharded {a} -> {b} ranks / same layout on {b} ranks "
+                         f"{med[f'load_resharded_{a}to{b}'] / med[f'load_same_{b}ranks']:.2f}x")
     if "async_blocked" in med:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
@@ -685,7 +720,11 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, machine: str) -> Lis
     rows = []
     for phase, label, spread in (("save", "save, until durable", True), ("load", "load, same layout, cold cache", True),
                                  ("load_cached", "load from page cache", False),
-                                 ("load_resharded", "load resharded 2 -> 1 rank, cold cache", True)):
+                                 ("load_resharded", "load resharded 2 -> 1 rank, cold cache", True),
+                                 ("load_same_2ranks", "load, same layout (2 ranks), cold cache, beside:", True),
+                                 ("load_resharded_4to2", "load resharded 4 -> 2 ranks, cold cache", True),
+                                 ("load_same_4ranks", "load, same layout (4 ranks), cold cache, beside:", True),
+                                 ("load_resharded_2to4", "load resharded 2 -> 4 ranks, cold cache", True)):
         cells = [stats(tool, phase, spread) for tool, _ in _COLUMNS]
         if any(cells):
             rows.append([label, *cells])
@@ -751,6 +790,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                                          args.async_writer))
         if "resharded" in parts and "main" in parts:
             _update(results, run_distributed(_resharded_job, 1, str(root), args.repeat)[0])
+        if "resharded" in parts:  # 2 -> 4 and 4 -> 2 ranks, each against its same-layout load
+            for world, measure in ((2, False), (4, False), (4, True), (2, True)):
+                _update(results, _merge(run_distributed(_reshard_job, world, str(root), args.size_mib, args.repeat,
+                                                        measure)))
         counts = [int(c) for c in args.small.split(",") if c]
         if counts and "small" in parts:
             _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))

@@ -495,12 +495,24 @@ def test_direct_reader_round_trip_and_damage(tmp_path, n, size):
                        tmp_path / "c")
 
 
-def test_column_slices_of_large_chunks_read_into_rows(tmp_path):
+def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     """A stored chunk larger than SMALL_BLOB that lands in a column slice of the destination
-    (resharding a column-split TP tensor) is read row by row straight into it (preadv)."""
+    (resharding a column-split TP tensor): rows of at least ROWS_MIN_BYTES are read straight
+    into it (preadv), narrower ones through the scratch buffer and one copy."""
     from dist_ckpt.core import CorruptCheckpointError
+    from dist_ckpt.strategies.dcp import read
 
-    full = {"w": torch.randn(1024, 512), "b": torch.randn(2, 700, 600).to(torch.bfloat16)}
+    row_reads = []
+    real_read_rows = read._read_rows
+
+    def spy(fd, views, offset, path, hasher):
+        row_reads.append(len(views[0]))
+        return real_read_rows(fd, views, offset, path, hasher)
+
+    monkeypatch.setattr(read, "_read_rows", spy)
+    wide = 2 * read.ROWS_MIN_BYTES // 4  # fp32 columns: a half's row is ROWS_MIN_BYTES
+    full = {"w": torch.randn(1024, 512), "b": torch.randn(2, 700, 600).to(torch.bfloat16),
+            "wide": torch.randn(40, wide)}
     # saved as two column halves (2 ranks' chunks), loaded whole: each chunk fills a strided column slice
     halves = {}
     for k, t in full.items():
@@ -513,7 +525,26 @@ def test_column_slices_of_large_chunks_read_into_rows(tmp_path):
     loaded = dist_ckpt.load(request, tmp_path / "c")
     for k, t in full.items():
         assert tensors_bitwise_equal(loaded[k], t), k
+    assert row_reads == [read.ROWS_MIN_BYTES] * 2  # the two halves of "wide"; "w" and "b" through the buffer
     _flip_byte_of(tmp_path / "c", "w")
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 'w'"):
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
                        tmp_path / "c")
+
+
+def test_copy_in_this_thread_equals_torch_copy():
+    """The reader's strided copy (numpy, on the calling thread) gives torch's bytes for every
+    element size, and hands what numpy cannot take to torch."""
+    from dist_ckpt.strategies.dcp.read import copy_in_this_thread
+
+    for dtype in (torch.bool, torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int64,
+                  torch.complex64, torch.complex128, torch.float8_e4m3fn):
+        source = torch.randn(64, 48).to(dtype) if dtype != torch.bool else torch.randn(64, 48) > 0
+        big = torch.zeros(64, 96, dtype=dtype)
+        copy_in_this_thread(big[:, 24:72], source[:, :48])  # a strided column slice
+        expected = torch.zeros(64, 96, dtype=dtype)
+        expected[:, 24:72].copy_(source)
+        assert tensors_bitwise_equal(big, expected), dtype
+    target = torch.zeros(8, 8)
+    copy_in_this_thread(target.t(), torch.arange(64.0).reshape(8, 8)[:, :].conj())  # strided target, plain torch
+    assert torch.equal(target.t(), torch.arange(64.0).reshape(8, 8))
