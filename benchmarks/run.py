@@ -386,6 +386,7 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
             _add(times, "dist_ckpt", f"{name}_mem", rss.extra_mib)
             staging = strategies[kind]._staging
             _add(times, "dist_ckpt", f"{name}_staging_mib", staging.peak_bytes / 2**20 if staging else 0.0)
+            _add(times, "dist_ckpt", f"{name}_blocked_beyond_copy", blocked - (staging.last_copy_seconds if staging else 0))
             if kind == "async":
                 _add(times, "dist_ckpt", "async_total", total)
                 _add(times, "dist_ckpt", "async_step_slowdown", slowdown)

@@ -54,6 +54,11 @@ def _check(rank: int, world: int, ckpt: str, shapes: dict, salt: int) -> None:
 
 
 def _cached_saves(rank: int, world: int, root: str) -> list:
+    from dist_ckpt.sharding import fingerprint
+
+    computed = []  # each save fingerprints its structure once (validation cache and plan cache share it)
+    real = fingerprint._fingerprint
+    fingerprint._fingerprint = lambda leaves: (computed.append(1), real(leaves))[1]
     strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
     first = {"a": ((8, 4), torch.float32), "b": ((4, 6), torch.bfloat16), "c": ((2, 2), torch.float32)}
     changed = {"a": ((8, 4), torch.float32), "b": ((6, 6), torch.bfloat16), "c": ((2, 2), torch.float16)}
@@ -61,9 +66,41 @@ def _cached_saves(rank: int, world: int, root: str) -> list:
     for i, shapes in enumerate([first, first, changed, changed]):
         dist_ckpt.save(_state(rank, world, shapes, salt=i), f"{root}/ckpt{i}", sharded_strategy=strategy)
         plans.append(strategy.plans_made)
+        assert len(computed) == i + 1, computed
+    fingerprint._fingerprint = real
     for i, shapes in enumerate([first, first, changed, changed]):
         _check(rank, world, f"{root}/ckpt{i}", shapes, salt=i)
     return plans
+
+
+def test_a_fingerprint_is_remembered_only_for_the_same_objects():
+    """Within one save, the same leaf objects are fingerprinted once; equal but distinct
+    objects, another order, or outside the block, are fingerprinted anew."""
+    from dist_ckpt.sharding import fingerprint
+
+    def leaves() -> list:
+        return [ShardedTensor.from_rank_offsets(k, torch.zeros(4, 2)) for k in ("a", "b")]
+
+    calls = []
+    real = fingerprint._fingerprint
+
+    def counting(items):
+        calls.append(1)
+        return real(items)
+
+    fingerprint._fingerprint = counting
+    try:
+        first = leaves()
+        with fingerprint.fingerprints_remembered():
+            digest = fingerprint.structure_fingerprint(first)
+            assert fingerprint.structure_fingerprint(iter(first)) == digest and len(calls) == 1
+            assert fingerprint.structure_fingerprint(leaves()) == digest and len(calls) == 2  # equal, distinct
+            assert fingerprint.structure_fingerprint(first[::-1]) != digest and len(calls) == 3
+        fingerprint.structure_fingerprint(first)
+        fingerprint.structure_fingerprint(first)
+        assert len(calls) == 5
+    finally:
+        fingerprint._fingerprint = real
 
 
 def test_cached_metadata_replans_on_any_change(tmp_path):
@@ -328,6 +365,7 @@ def test_staging_buffers_reuse_and_budget():
     first = pool.stage(tensors)
     assert [b is not None for b in first.buffers] == [True, True, False, False]  # 2 KiB fit, the rest is direct
     assert all(torch.equal(b, t) for b, t in zip(first.buffers[:2], tensors))
+    assert 0 < pool.last_copy_seconds < 10  # what the benchmark subtracts from the blocked time
     first.release()
     first.release()  # twice (finalize and cleanup both release): harmless
     tensors[0].fill_(7)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Collection, List, Optional, Tuple, Union
 
@@ -36,7 +36,7 @@ from ..integrity.manifest import ManifestEntry, forget_recorder, open_recorder
 from ..mapping import ShardedBase, ShardedObject, ShardedStateDict, StateDict
 from ..runtime.collectives import DistWrapper
 from ..runtime.timing import phase
-from ..sharding.fingerprint import structure_fingerprint
+from ..sharding.fingerprint import fingerprints_remembered, structure_fingerprint
 from ..sharding.partition import compare_common_state_dicts, split_state_dict
 from ..storage.commit import StagedSave, begin_save, commit_staged, write_manifest_and_config
 from ..storage.object_store import (
@@ -138,6 +138,10 @@ class SplitState:
     sharded: ShardedStateDict  # ShardedTensors and ShardedObjects, factories applied
     common: StateDict  # everything else (rank 0's is saved)
     config: CheckpointingConfig
+    # with a strategy that caches metadata: this rank's structure fingerprint, and whether every
+    # rank's equals the one of the strategy's last checked save (then ``stage`` skips the check)
+    fingerprint: Optional[str] = None
+    checked_before: bool = False
 
 
 @dataclass(frozen=True)
@@ -152,15 +156,22 @@ class Staging:
 def split(request: SaveRequest, dist: DistWrapper) -> SplitState:
     """Step 1 (the sharding check itself runs on the coordinator in ``stage``'s collective)."""
 
-    def split_and_configure() -> SplitState:  # factories run user code: a failure reaches every rank
+    strategy = request.sharded_strategy
+    cache_owner = strategy if request.validate_access_integrity and getattr(strategy, "cached_metadata", False) else None
+
+    def split_and_configure() -> Tuple[SplitState, bool]:  # factories run user code: a failure reaches every rank
         sharded, common, _ = split_state_dict(request.state_dict)
         if request.content_metadata is not None:
             common[CONTENT_METADATA_KEY] = request.content_metadata
-        config = CheckpointingConfig(request.sharded_strategy.backend, request.sharded_strategy.version,
+        config = CheckpointingConfig(strategy.backend, strategy.version,
                                      request.common_strategy.backend, request.common_strategy.version)
-        return SplitState(sharded, common, config)
+        fingerprint = None if cache_owner is None else structure_fingerprint(nested_values(sharded))
+        checked = fingerprint is not None and getattr(cache_owner, "validated_fingerprint", None) == fingerprint
+        return SplitState(sharded, common, config, fingerprint), checked
 
-    parts = dist.all_run(split_and_configure)
+    # one all-reduce: the split succeeded everywhere, and whether every rank's structure was checked before
+    parts, checked_before = dist.all_run_and_vote(split_and_configure)
+    parts = replace(parts, checked_before=checked_before)
     if request.validate_access_integrity and dist.world_size > 1:
         compare_common_state_dicts(dist, parts.common, request.preprocess_common)
     if dist.rank == 0 and not any(True for _ in nested_values(parts.sharded)):
@@ -177,15 +188,8 @@ def stage(request: SaveRequest, parts: SplitState, dist: DistWrapper) -> Staging
     """Step 2, in one collective: local metadata everywhere; the sharding check and the staging
     directory on the coordinator. With a strategy that caches metadata (``cached_metadata=True``),
     the check is skipped when every rank's structure fingerprint equals the one of the last
-    checked save with that strategy."""
-    validate = request.validate_access_integrity
-    strategy = request.sharded_strategy
-    cache_owner = strategy if getattr(strategy, "cached_metadata", False) else None
-    fingerprint = None
-    if validate and cache_owner is not None:
-        fingerprint = structure_fingerprint(nested_values(parts.sharded))
-        same = getattr(cache_owner, "validated_fingerprint", None) == fingerprint
-        validate = not dist.all_reduce_min(1 if same else 0)
+    checked save with that strategy (``split`` found that out, in its own collective)."""
+    validate = request.validate_access_integrity and not parts.checked_before
 
     def local_metadata() -> Optional[ShardingSummary]:  # main replicas in full, the others per key
         if not validate:
@@ -209,8 +213,8 @@ def stage(request: SaveRequest, parts: SplitState, dist: DistWrapper) -> Staging
         register_destination(staging.directory, shared.destination_url)  # for writers that write there themselves
     else:
         staging = Staging(Path(shared), local=kept if isinstance(kept, StagedSave) else None)
-    if fingerprint is not None:
-        setattr(cache_owner, "validated_fingerprint", fingerprint)
+    if parts.fingerprint is not None:
+        setattr(request.sharded_strategy, "validated_fingerprint", parts.fingerprint)
     open_recorder(staging.directory)
     return staging
 
@@ -296,13 +300,18 @@ def abort(staging: Staging, dist: DistWrapper) -> None:
 def run_save(request: SaveRequest) -> Optional[AsyncRequest]:
     """Steps 1-4; for an asynchronous save, steps 1-3 and the request that finishes it."""
     dist = DistWrapper()
-    with phase("save: validate"):
-        parts = split(request, dist)
-    with phase("save: stage"):
-        staging = stage(request, parts, dist)
+    with fingerprints_remembered():  # stage's fingerprint is the strategy's plan cache's too
+        with phase("save: validate"):
+            parts = split(request, dist)
+        with phase("save: stage"):
+            staging = stage(request, parts, dist)
+        try:
+            with phase("save: write"):
+                pending = write(request, parts, staging, dist)
+        except BaseException:
+            abort(staging, dist)
+            raise
     try:
-        with phase("save: write"):
-            pending = write(request, parts, staging, dist)
         if pending is not None:
             return _commit_when_finalized(pending, staging, parts.config, dist)
         with phase("save: upload and commit" if staging.remote is not None else "save: commit"):

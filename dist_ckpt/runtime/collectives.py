@@ -243,6 +243,19 @@ class DistWrapper:
         _raise_first(failures, exc)
         return value  # pragma: no cover - some rank failed, so _raise_first raised
 
+    def all_run_and_vote(self, fn: Callable[[], Tuple[T, bool]]) -> Tuple[T, bool]:
+        """``all_run`` of ``fn``, which returns (value, vote): (this rank's value, whether every
+        rank voted True), in the same single all-reduce (a cached save asks "did every rank
+        succeed?" and "is every rank's structure the cached one?" at once)."""
+        value, failure, exc = self._run(fn)
+        vote = bool(value[1]) if failure is None else False
+        agreed = self.all_reduce_min(0 if failure is not None else 2 if vote else 1)
+        if agreed:
+            return value[0], agreed == 2
+        failures = [f for f in self.all_gather_object(failure) if f is not None]
+        _raise_first(failures, exc)
+        return value[0], False  # pragma: no cover - some rank failed, so _raise_first raised
+
     def all_gather(self, fn: Callable[[], T]) -> List[T]:
         """Run ``fn`` on every rank and give every rank all results (or the same error)."""
         value, failure, exc = self._run(fn)

@@ -73,6 +73,7 @@ from .dcp.plan import (
     stored_tensor_catalog,
 )
 from .dcp.protocol_path import ReaderFactory, WriterFactory, load_through_dcp, save_request_through_dcp
+from .dcp.read import copy_in_this_thread
 from .dcp.staging import StagingBuffers, StagingLease
 
 logger = logging.getLogger(__name__)
@@ -258,11 +259,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         the objects' serialized bytes: from the cached plan when every rank's structure is the
         cached one, else by a global planning step (collective)."""
         fingerprint = structure_fingerprint(leaves) if self.cached_metadata else None
-        cached = self._cached_plan_for(dist, fingerprint) if fingerprint is not None else None
-        if cached is not None:
-            _, plan, cached_metadata = cached
-            object_blobs = dist.all_run(lambda: _serialize_objects(objects))
-            return plan, copy.copy(cached_metadata) if dist.is_coordinator else None, object_blobs
+        serialized: Optional[Dict[str, bytes]] = None
+        if fingerprint is not None:
+            cached = self._cached_plan
+            unchanged = cached is not None and cached[0] == fingerprint
+            # one all-reduce: the objects serialized on every rank, and every rank's structure the cached one
+            serialized, every_rank_unchanged = dist.all_run_and_vote(lambda: (_serialize_objects(objects), unchanged))
+            if every_rank_unchanged and cached is not None and serialized is not None:
+                _, plan, cached_metadata = cached
+                return plan, copy.copy(cached_metadata) if dist.is_coordinator else None, serialized
         global_metadata: List[Metadata] = []  # set by global_step, on the coordinator
         local_blobs: Dict[str, bytes] = {}
         local_plan: List[LocalSavePlan] = []
@@ -273,7 +278,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return reformulate
 
         def local_step() -> LocalSavePlan:
-            local_blobs.update(_serialize_objects(objects))  # may fail: the step shares it
+            local_blobs.update(serialized if serialized is not None else _serialize_objects(objects))  # may fail
             local_plan.append(make_local_save_plan(tensors, objects))
             return local_plan[0]
 
@@ -295,7 +300,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         staged = _StagedTensors()
 
-        def stage_tensors() -> None:
+        def stage_tensors() -> Tuple[None, bool]:  # (nothing, whether every tensor was staged)
             live = [sh.require_data().detach() for sh in tensors]
             copies: List[Optional[torch.Tensor]] = list(live)
             if stage:
@@ -305,6 +310,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 staged.sources[item.index] = copy_ if copy_ is not None else data
                 if copy_ is None:
                     staged.direct.append(item)
+            return None, not staged.direct
 
         def write_direct() -> None:
             if not staged.direct:
@@ -315,8 +321,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             staged.direct_results, staged.direct_entries = job()
 
         try:
-            dist.all_run(stage_tensors)  # out of memory on one rank: every rank raises, none waits
-            if not dist.all_reduce_min(0 if staged.direct else 1):  # some rank writes beyond its budget now
+            # one all-reduce: out of memory on one rank (every rank raises, none waits), and whether
+            # some rank has tensors beyond its budget to write now
+            _, nothing_direct = dist.all_run_and_vote(stage_tensors)
+            if not nothing_direct:
                 dist.all_run(write_direct)
         except BaseException:
             for lease in staged.leases:
@@ -330,14 +338,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if self._staging is None:
             self._staging = StagingBuffers(self.async_staging_budget, shared=self.async_writer == "process")
         return self._staging
-
-    def _cached_plan_for(self, dist: DistWrapper, fingerprint: str
-                         ) -> Optional[Tuple[str, SavePlan, Optional[Metadata]]]:
-        """The previous save's (fingerprint, plan, metadata) if every rank's structure fingerprint is unchanged."""
-        same = self._cached_plan is not None and self._cached_plan[0] == fingerprint
-        if not dist.all_reduce_min(1 if same else 0) or self._cached_plan is None:
-            return None
-        return self._cached_plan
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:
         """One file per batch (``__{i}_0.distcp``), one ``.metadata`` indexing them all."""
@@ -422,7 +422,7 @@ class _ViewLoadPlanner(LoadPlanner):
         for (r_start, r_box), (c_start, c_box), inter in task.copies:
             dst = dst_flat[r_start : r_start + r_box.numel].view(r_box.shape)[inter.slices_in(r_box)]
             src = src_flat[c_start : c_start + c_box.numel].view(c_box.shape)[inter.slices_in(c_box)]
-            dst.copy_(src)
+            copy_in_this_thread(dst, src)  # called on a reader lane
 
     def copy_back(self) -> None:
         for sh, buffer, separate in zip(self._requests, self.buffers, self._separate):

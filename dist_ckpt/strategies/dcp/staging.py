@@ -26,6 +26,7 @@ per tensor handed over anew at every save.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -94,6 +95,9 @@ class StagingBuffers:
         self._leased_bytes = 0
         self.reused_bytes = 0  # of the last stage(): how much went into reused buffers
         self.peak_bytes = 0  # the most staging memory held at once (leased and kept for reuse)
+        # of the last stage(): seconds spent copying (the floor of an async save's blocked time:
+        # the rest of it is the save's own work, which the benchmarks report beside it)
+        self.last_copy_seconds = 0.0
 
     @property
     def held_bytes(self) -> int:
@@ -148,9 +152,11 @@ class StagingBuffers:
             new = self._allocate([tensors[i] for i in fresh], arenas)
             for i, buffer in zip(fresh, new):
                 staged[i] = buffer
+        start = time.perf_counter()
         for staged_buffer, tensor in zip(staged, tensors):
             if staged_buffer is not None:
                 staged_buffer.copy_(tensor)
+        self.last_copy_seconds = time.perf_counter() - start
         live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
         return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live])
 
