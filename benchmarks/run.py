@@ -722,9 +722,9 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, machine: str) -> Lis
     for phase, label, spread in (("save", "save, until durable", True), ("load", "load, same layout, cold cache", True),
                                  ("load_cached", "load from page cache", False),
                                  ("load_resharded", "load resharded 2 -> 1 rank, cold cache", True),
-                                 ("load_same_2ranks", "load, same layout (2 ranks), cold cache, beside:", True),
+                                 ("load_same_2ranks", "load, same layout, cold cache (2 ranks, beside the next row)", True),
                                  ("load_resharded_4to2", "load resharded 4 -> 2 ranks, cold cache", True),
-                                 ("load_same_4ranks", "load, same layout (4 ranks), cold cache, beside:", True),
+                                 ("load_same_4ranks", "load, same layout, cold cache (4 ranks, beside the next row)", True),
                                  ("load_resharded_2to4", "load resharded 2 -> 4 ranks, cold cache", True)):
         cells = [stats(tool, phase, spread) for tool, _ in _COLUMNS]
         if any(cells):
