@@ -667,6 +667,9 @@ def _ratios(results: Times) -> str:
         excess = med["async_blocked"] - floor["async_blocked"]
         parts.append(f"async blocked {med['async_blocked'] * 1e3:.0f} ms = the staging copy "
                      f"{floor['async_blocked'] * 1e3:.0f} ms + {excess * 1e3:.0f} ms")
+    if "async_blocked_beyond_copy" in med:
+        parts.append(f"async blocked beyond the save's own staging copy (same call, slowest rank) "
+                     f"{med['async_blocked_beyond_copy'] * 1e3:.0f} ms")
     if "async_budget25_mem" in med:
         parts.append(f"staging budget 25% of the state: staging memory {med['async_budget25_staging_mib']:.0f} MiB per "
                      f"rank at its peak (unbounded: {med['async_staging_mib']:.0f} MiB), blocked "
@@ -736,8 +739,10 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, machine: str) -> Lis
     ours = lambda text: ["", "", "", "", text]  # noqa: E731 - a row with dist_ckpt's cell only
     if med("dist_ckpt", "async_blocked") is not None:
         floor = med("floor", "async_blocked")
+        beyond = med("dist_ckpt", "async_blocked_beyond_copy")
         rows.append(["async save: training loop blocked", *ours(
-            f"{med('dist_ckpt', 'async_blocked'):.3f}" + (f" (the staging copy alone: {floor:.3f})" if floor else ""))])
+            f"{med('dist_ckpt', 'async_blocked'):.3f}" + (f" (the staging copy alone: {floor:.3f}" if floor else "")
+            + (f"; beyond its own copy: {beyond:.3f}" if beyond is not None else "") + (")" if floor else ""))])
         floor = med("floor", "async_step_slowdown")
         rows.append(["async save: step slowdown while writing", *ours(
             f"{med('dist_ckpt', 'async_step_slowdown'):+.0%}"
