@@ -586,3 +586,5 @@ def test_copy_in_this_thread_equals_torch_copy():
     target = torch.zeros(8, 8)
     copy_in_this_thread(target.t(), torch.arange(64.0).reshape(8, 8)[:, :].conj())  # strided target, plain torch
     assert torch.equal(target.t(), torch.arange(64.0).reshape(8, 8))
+    with pytest.raises(RuntimeError, match="more than one element"):  # an expanded target: torch's error
+        copy_in_this_thread(torch.zeros(1, 8).expand(4, 8), torch.ones(4, 8))

@@ -357,7 +357,9 @@ def copy_in_this_thread(target: torch.Tensor, source: torch.Tensor) -> None:
     on 2 cores). numpy's copy of the same bytes runs on the calling thread."""
     ints = _SAME_SIZE_INTS.get(source.element_size())
     if (ints is None or target.device.type != "cpu" or source.device.type != "cpu" or target.dtype != source.dtype
-            or any(t.is_conj() or t.is_neg() or t.requires_grad for t in (target, source))):
+            or any(t.is_conj() or t.is_neg() or t.requires_grad for t in (target, source))
+            or any(stride == 0 and size > 1 for stride, size in zip(target.stride(), target.shape))):
+        # torch refuses to write an expanded target (elements sharing memory); numpy would not
         target.copy_(source)
         return
     numpy.copyto(target.view(ints).numpy(), source.view(ints).numpy())
