@@ -588,3 +588,34 @@ def test_copy_in_this_thread_equals_torch_copy():
     assert torch.equal(target.t(), torch.arange(64.0).reshape(8, 8))
     with pytest.raises(RuntimeError, match="more than one element"):  # an expanded target: torch's error
         copy_in_this_thread(torch.zeros(1, 8).expand(4, 8), torch.ones(4, 8))
+
+
+def test_a_request_plans_only_against_the_chunks_near_it(tmp_path, monkeypatch):
+    """A load's planning builds only the stored chunks that meet a request (a key holds one
+    chunk per saving rank: building all of them made a rank's planning grow with that number);
+    a key requested twice by one process still sees all its chunks."""
+    from dist_ckpt.strategies.dcp import plan
+
+    full = torch.randn(1024, 16)
+    blocks = {f"w@{i}": ShardedTensor.from_rank_offsets("w", full[i * 128 : (i + 1) * 128].clone(), (0, i, 8))
+              for i in range(8)}
+    dist_ckpt.save(blocks, tmp_path / "c", validate_access_integrity=False)
+    built = []
+
+    class CountingChunk(plan.StoredChunk):
+        def __init__(self, *args, **kwargs):
+            built.append(args[0] if args else kwargs["index"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(plan, "StoredChunk", CountingChunk)
+    rows = torch.zeros(256, 16)  # rank 1 of 4: rows 256-511, in stored blocks 2 and 3
+    loaded = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", rows, (0, 1, 4))}, tmp_path / "c",
+                            validate_access_integrity=False)
+    assert tensors_bitwise_equal(loaded["w"], full[256:512])
+    assert sorted(index.offset[0] for index in built) == [256, 384]
+    built.clear()
+    two = {"a": ShardedTensor.from_rank_offsets("w", torch.zeros(128, 16), (0, 0, 8)),
+           "b": ShardedTensor.from_rank_offsets("w", torch.zeros(128, 16), (0, 7, 8))}
+    loaded = dist_ckpt.load(two, tmp_path / "c", validate_access_integrity=False)
+    assert tensors_bitwise_equal(loaded["a"], full[:128]) and tensors_bitwise_equal(loaded["b"], full[896:])
+    assert len(built) == 8

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
@@ -247,13 +247,21 @@ def stored_global_shape(key: str, md: TensorStorageMetadata, mcore_data: dict) -
     return tuple(orig) if orig is not None else tuple(md.size)
 
 
-def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict) -> List[StoredChunk]:
-    """The chunks of ``key`` in original global coordinates (undoing the reformulation)."""
+def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict, near: Optional[Box] = None
+                          ) -> List[StoredChunk]:
+    """The chunks of ``key`` in original global coordinates (undoing the reformulation).
+
+    ``near``: only the chunks that overlap this box are wanted (one request's catalog). A key
+    holds a chunk per saving rank, and building each one costs ~10x the tuple comparison that
+    skips it, so a rank's planning no longer grows with the number of ranks that saved (it did
+    for a checkpoint of 8 ranks: 8,000 chunks built per rank for 1,000 keys)."""
     size = tuple(md.size)
     orig = (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
     chunks = []
     if orig is None:
         for ch in md.chunks:
+            if near is not None and not _may_overlap(ch.offsets, ch.sizes, near):
+                continue
             box = Box(tuple(ch.offsets), tuple(ch.sizes))
             if not box.within(size):
                 raise CorruptCheckpointError(f"'{key}': stored chunk {box} lies outside its global size {size}")
@@ -274,6 +282,14 @@ def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict)
         piece = Piece(box, offsets[-1], offsets[-1] + sizes[-1])
         chunks.append(StoredChunk(MetadataIndex(key, ch.offsets), sizes, piece))
     return chunks
+
+
+def _may_overlap(offsets: Sequence[int], sizes: Sequence[int], box: Box) -> bool:
+    """Whether a stored chunk (raw metadata fields) can overlap ``box`` (a chunk of another rank
+    count is let through: ``stored_tensor_catalog`` checks it)."""
+    if len(offsets) != len(box.offset) or len(sizes) != len(box.shape):
+        return True
+    return all(o < b + n and b < o + z for o, z, b, n in zip(offsets, sizes, box.offset, box.shape))
 
 
 @dataclass
@@ -300,13 +316,15 @@ def plan_tensor_reads(
     catalogs: Dict[str, _ChunkIndex] = {}
     items: List[ReadItem] = []
     tasks: List[ReadTask] = []
+    requests_of_key = Counter(sh.key for sh in requests)
     for req_idx, sh in enumerate(requests):
         md = _stored_tensor(sh.key, metadata)
         stored_shape = stored_global_shape(sh.key, md, mcore_data)
         sh.check_against_stored(md.properties.dtype, stored_shape)
-        if sh.key not in catalogs:
-            catalogs[sh.key] = _ChunkIndex(stored_tensor_catalog(sh.key, md, mcore_data))
         req_piece = sh.piece()
+        if sh.key not in catalogs:  # a key requested once: only the chunks near its request
+            near = req_piece.box if requests_of_key[sh.key] == 1 else None
+            catalogs[sh.key] = _ChunkIndex(stored_tensor_catalog(sh.key, md, mcore_data, near))
         req_subs = req_piece.subboxes()
         loaded = 0
         for chunk in catalogs[sh.key].meeting(req_piece.box):
