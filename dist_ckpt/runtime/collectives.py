@@ -236,12 +236,7 @@ class DistWrapper:
         """Run ``fn`` on every rank; if it failed anywhere, raise the same error everywhere.
         Success costs one all-reduce of an int; only when some rank failed are the failures
         gathered (every rank sees the same minimum, so all take the same path)."""
-        value, failure, exc = self._run(fn)
-        if self.all_reduce_min(0 if failure is not None else 1):
-            return value
-        failures = [f for f in self.all_gather_object(failure) if f is not None]
-        _raise_first(failures, exc)
-        return value  # pragma: no cover - some rank failed, so _raise_first raised
+        return self.all_run_and_vote(lambda: (fn(), True))[0]
 
     def all_run_and_vote(self, fn: Callable[[], Tuple[T, bool]]) -> Tuple[T, bool]:
         """``all_run`` of ``fn``, which returns (value, vote): (this rank's value, whether every

@@ -318,8 +318,10 @@ class _GroupReader:
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
         data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
-        if data.storage_offset() % stored.dtype.itemsize:
-            data = lane.buffer(stored.nbytes).copy_(data)  # a coalesced read put it off alignment
+        if data.storage_offset() % stored.dtype.itemsize:  # a coalesced read put it off alignment
+            aligned = lane.buffer(stored.nbytes)
+            copy_in_this_thread(aligned, data)
+            data = aligned
         source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
         for item in group.items:
             copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
