@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -266,6 +268,52 @@ def test_the_demo_ends_with_its_ranks_on_a_signal(tmp_path: Path, sig, to_group,
         assert os.listdir(tmp_path / "demo") == ["ckpt"]
         loaded = dist_ckpt.load_plain_tensors(tmp_path / "demo" / "ckpt")
         assert tuple(loaded["layers.qkv.weight"].shape) == (2, 48, 16)
+
+
+def _sigint_in_this_process() -> Dict[str, bool]:
+    bit = 1 << (signal.SIGINT - 1)
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f if line.startswith(("SigBlk", "SigIgn")))
+    return {"blocked": bool(int(fields["SigBlk"], 16) & bit), "ignored": bool(int(fields["SigIgn"], 16) & bit)}
+
+
+def _report_sigint_handling(path: str, parent_pid: int) -> None:  # pragma: no cover - runs in the child
+    """A helper process's SIGINT at its start and after ``detach_from_interrupts``; a Ctrl-C to
+    the group before the latter (while a rank would import torch) must not end it."""
+    from dist_ckpt.runtime.interrupts import detach_from_interrupts
+    at_start = _sigint_in_this_process()
+    os.kill(os.getpid(), signal.SIGINT)
+    detach_from_interrupts(parent_pid)
+    with open(path, "w") as f:
+        json.dump({"at_start": at_start, "after_detach": _sigint_in_this_process()}, f)
+
+
+def test_a_ctrl_c_while_ranks_start_is_the_callers_once_they_all_run(tmp_path: Path) -> None:
+    """Ranks used to be started with SIGINT ignored in the caller too, so a Ctrl-C in those
+    milliseconds was lost (seen once: the demo ran on after its Ctrl-C). Now the caller gets it
+    right after the starts, and a rank still never gets it: blocked from its start, discarded
+    and ignored from its ``detach_from_interrupts`` on."""
+    from dist_ckpt.runtime import launch
+
+    class CtrlCWhileStarting:
+        pid = None
+
+        def start(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    seen = tmp_path / "seen.json"
+    rank = multiprocessing.get_context("spawn").Process(target=_report_sigint_handling,
+                                                        args=(str(seen), os.getpid()))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch._start([CtrlCWhileStarting(), rank])  # type: ignore[list-item]
+        assert rank.pid is not None  # started after the Ctrl-C, so the caller can end it
+        rank.join(60)
+        assert rank.exitcode == 0
+    finally:
+        launch._end([rank])
+    assert json.loads(seen.read_text()) == {"at_start": {"blocked": True, "ignored": False},
+                                            "after_detach": {"blocked": False, "ignored": True}}
 
 
 # -- 3. the CLI never prints a traceback ------------------------------------------------------

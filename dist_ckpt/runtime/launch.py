@@ -28,7 +28,6 @@ import pickle
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -38,11 +37,12 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, cast
 
 import torch.distributed as dist
 
-from .interrupts import detach_from_interrupts
+from .interrupts import detach_from_interrupts, helpers_starting
 
 __all__ = ["run_distributed", "run_processes", "ProcessOutcome", "RankFailedError", "COLLECTIVE_TIMEOUT_S", "GRACE_S"]
 
 COLLECTIVE_TIMEOUT_S = 60  # every collective of the group times out after this
+_START_METHOD = "spawn"  # a fresh interpreter per rank: no copied threads, locks or CUDA state
 GRACE_S = 3.0  # how long a rank has to exit after SIGTERM (and the others after one rank failed)
 
 
@@ -84,23 +84,15 @@ def _worker(rank: int, fn: Callable, world_size: int, tmp: str, parent_pid: int,
 
 
 def _processes(target: Callable, world_size: int, make_args: Callable[[int], tuple]) -> List[BaseProcess]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(_START_METHOD)
     return [ctx.Process(target=target, args=make_args(r), name=f"dist_ckpt-rank-{r}") for r in range(world_size)]
 
 
 def _start(procs: Sequence[BaseProcess]) -> None:
-    """Start the ranks with SIGINT ignored, a disposition they inherit through ``exec`` (a
-    blocked mask is not inherited by spawned processes): a Ctrl-C while a rank imports torch,
-    before its own ``detach_from_interrupts``, is then not a traceback in that rank. The caller
-    ignores Ctrl-C for the few milliseconds of the ``fork``/``exec`` calls."""
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
-    try:
+    """Start the ranks; a Ctrl-C meanwhile is the caller's once they all run (``helpers_starting``)."""
+    with helpers_starting(_START_METHOD):
         for p in procs:
             p.start()
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _end(procs: Sequence[BaseProcess], grace_s: float = GRACE_S) -> None:

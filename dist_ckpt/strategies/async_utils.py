@@ -37,7 +37,7 @@ import torch.multiprocessing as torch_mp
 
 from ..core import CheckpointingException
 from ..runtime.collectives import DistWrapper
-from ..runtime.interrupts import detach_from_interrupts
+from ..runtime.interrupts import detach_from_interrupts, helpers_starting
 from ..runtime.shared_arena import JobPickler, forget_arenas, live_arena_ids
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,8 @@ class PersistentAsyncCaller(AsyncCaller):
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
                                     name="dist_ckpt-writer", daemon=True)
-        self._process.start()
+        with helpers_starting("fork"):  # a Ctrl-C now is the training process's, not a traceback in the writer
+            self._process.start()
         self._known_arenas = set()
         logger.debug("started the persistent checkpoint writer, pid %d", self._process.pid)
 
