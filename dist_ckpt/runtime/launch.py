@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_for_sentinels
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterator, List, Optional, Sequence, cast
+from typing import Any, Callable, Final, Iterator, List, Optional, Sequence, cast
 
 import torch.distributed as dist
 
@@ -42,7 +42,7 @@ from .interrupts import detach_from_interrupts, helpers_starting
 __all__ = ["run_distributed", "run_processes", "ProcessOutcome", "RankFailedError", "COLLECTIVE_TIMEOUT_S", "GRACE_S"]
 
 COLLECTIVE_TIMEOUT_S = 60  # every collective of the group times out after this
-_START_METHOD = "spawn"  # a fresh interpreter per rank: no copied threads, locks or CUDA state
+_START_METHOD: Final = "spawn"  # a fresh interpreter per rank: no copied threads, locks or CUDA state
 GRACE_S = 3.0  # how long a rank has to exit after SIGTERM (and the others after one rank failed)
 
 
