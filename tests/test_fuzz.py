@@ -66,6 +66,20 @@ def test_manifest_parser(raw):
         assert entry.offset >= 0 and entry.length >= 0
 
 
+@pytest.mark.parametrize("field,bad", [(0, "../x"), (0, 7), (1, -1), (1, True), (1, 1 << 62), (2, 1.5),
+                                       (3, "0" * 15), (3, "g" * 16), (3, 16), (4, 3)])
+def test_a_malformed_manifest_entry_among_many_is_named(field, bad):
+    """The entries are checked column by column (every rank of a load reads every rank's
+    entries); the first malformed one is still named by its index, and a good manifest parses."""
+    rows = [[f"__{i % 4}_0.distcp", 64 * i, 64, f"{i:016x}", f"k{i}"] for i in range(5000)]
+    good = {"format": "dist_ckpt-manifest", "version": 2, "hash": "xxh3_64", "entries": rows}
+    manifest = parse_manifest(json.dumps(good).encode(), "manifest")
+    assert len(manifest.entries) == 5000 and manifest.lookup("__3_0.distcp", 64 * 4999).key == "k4999"
+    rows[4321][field] = bad
+    with pytest.raises(CheckpointingException, match="manifest: entry 4321 is malformed"):
+        parse_manifest(json.dumps(good).encode(), "manifest")
+
+
 zarray_like = st.fixed_dictionaries(
     {"shape": st.lists(st.integers(-3, 10 ** 6), max_size=4) | json_values,
      "chunks": st.lists(st.integers(-3, 10 ** 6), max_size=4) | json_values,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
 import zlib
 from pathlib import Path
@@ -619,3 +620,59 @@ def test_a_request_plans_only_against_the_chunks_near_it(tmp_path, monkeypatch):
     loaded = dist_ckpt.load(two, tmp_path / "c", validate_access_integrity=False)
     assert tensors_bitwise_equal(loaded["a"], full[:128]) and tensors_bitwise_equal(loaded["b"], full[896:])
     assert len(built) == 8
+
+
+def test_stored_chunks_in_order_are_found_by_bisection(tmp_path, monkeypatch):
+    """A request's stored chunks are found in O(log chunks) when they lie in order of their
+    first offset (a checkpoint of N ranks holds N chunks per key; comparing each with every
+    request grew a rank's planning with N); chunks out of order, or that do not tile the
+    request, are all compared, as before, and load the same bytes."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from dist_ckpt.sharding.geometry import Box
+    from dist_ckpt.strategies.dcp import files, plan
+
+    def chunk(offsets, sizes):
+        return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+    rows = [chunk((128 * i,), (128,)) for i in range(16)]
+    assert plan._chunks_near(rows, Box((256,), (256,))) == rows[2:4]
+    assert plan._chunks_near(rows, Box((300,), (10,))) == rows[2:3]
+    assert plan._chunks_near(rows[::-1], Box((256,), (256,))) == rows[::-1]  # out of order: all
+    assert plan._chunks_near(rows[:4], Box((256,), (256,))) == rows[:4]  # few: all
+    grid = [chunk((128 * i, 8 * j), (128, 8)) for i in range(8) for j in range(2)]  # row-major
+    assert plan._chunks_near(grid, Box((256, 0), (256, 16))) == grid[4:8]
+    assert plan._chunks_near(grid, Box((300, 8), (50, 8))) == grid[4:6]  # its row; the caller drops (256, 0)
+    uneven = [chunk((0,), (300,))] + [chunk((300 + 100 * i,), (100,)) for i in range(8)]
+    assert plan._chunks_near(uneven, Box((250,), (100,))) == uneven[:2]
+    # columns 0-7 of rows 0-299 in one chunk, columns 8-15 in rows of 100: rows 250-259 start in
+    # the chunk at row 200, which holds only columns 8-15 of them
+    ragged = ([chunk((0, 0), (300, 8))] + [chunk((100 * i, 8), (100, 8)) for i in range(3)]
+              + [chunk((300 + 100 * i, 0), (100, 16)) for i in range(5)])
+    assert plan._chunks_near(ragged, Box((250, 0), (10, 16))) == ragged
+
+    full = torch.randn(1024, 16)
+    blocks = {f"w@{i}": ShardedTensor.from_rank_offsets("w", full[i * 128:(i + 1) * 128].clone(), (0, i, 8))
+              for i in range(8)}
+    dist_ckpt.save(blocks, tmp_path / "c", validate_access_integrity=False)
+    compared = []
+    may_overlap = plan._may_overlap
+    monkeypatch.setattr(plan, "_may_overlap", lambda *args: compared.append(args[0][0]) or may_overlap(*args))
+
+    def load_rows_256_to_511() -> torch.Tensor:
+        request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(256, 16), (0, 1, 4))}
+        return dist_ckpt.load(request, tmp_path / "c", validate_access_integrity=False)["w"]
+
+    assert tensors_bitwise_equal(load_rows_256_to_511(), full[256:512])
+    assert sorted(compared) == [256, 384]
+    read_metadata = files.DcpReader.read_metadata
+
+    def reversed_chunks(self):
+        md = copy.deepcopy(read_metadata(self))
+        md.state_dict_metadata["w"].chunks.reverse()
+        return md
+
+    monkeypatch.setattr(files.DcpReader, "read_metadata", reversed_chunks)
+    compared.clear()
+    assert tensors_bitwise_equal(load_rows_256_to_511(), full[256:512])
+    assert len(compared) == 8

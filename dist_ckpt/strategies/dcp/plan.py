@@ -252,14 +252,16 @@ def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict,
     """The chunks of ``key`` in original global coordinates (undoing the reformulation).
 
     ``near``: only the chunks that overlap this box are wanted (one request's catalog). A key
-    holds a chunk per saving rank, and building each one costs ~10x the tuple comparison that
-    skips it, so a rank's planning no longer grows with the number of ranks that saved (it did
-    for a checkpoint of 8 ranks: 8,000 chunks built per rank for 1,000 keys)."""
+    holds a chunk per saving rank; building each one cost a rank's planning time that grew with
+    the number of ranks that saved (8,000 chunks built per rank for 1,000 keys of a checkpoint of
+    8 ranks), and so did comparing each one with the request. ``_chunks_near`` finds them by
+    bisection instead, when they lie in order (as a checkpoint split by rank stores them)."""
     size = tuple(md.size)
     orig = (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
     chunks = []
     if orig is None:
-        for ch in md.chunks:
+        stored = md.chunks if near is None else _chunks_near(md.chunks, near)
+        for ch in stored:
             if near is not None and not _may_overlap(ch.offsets, ch.sizes, near):
                 continue
             box = Box(tuple(ch.offsets), tuple(ch.sizes))
@@ -282,6 +284,43 @@ def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict,
         piece = Piece(box, offsets[-1], offsets[-1] + sizes[-1])
         chunks.append(StoredChunk(MetadataIndex(key, ch.offsets), sizes, piece))
     return chunks
+
+
+_BISECT_FROM = 8  # fewer stored chunks than this are compared one by one (bisection costs more)
+
+
+def _first_offset(chunk: ChunkStorageMetadata) -> int:
+    return chunk.offsets[0] if len(chunk.offsets) else 0
+
+
+def _chunks_near(chunks: List[ChunkStorageMetadata], box: Box) -> Sequence[ChunkStorageMetadata]:
+    """Stored chunks that hold all of ``box``: found by bisection on the first axis, in
+    O(log chunks), when the chunks are in order of their first offset and tile the box; else
+    every chunk (the caller compares each with the box).
+
+    The candidates are the chunks that start before the box ends, from the first one at the
+    last start at or before the box's own (a row of a grid). Stored chunks never overlap, so if
+    these cover the box's volume no other chunk holds any of it; a box they do not cover
+    (chunks out of order, a ragged layout, a request reaching past a shorter stored tensor)
+    takes the full list, which is what it got before."""
+    if len(chunks) < _BISECT_FROM or not box.shape:
+        return chunks
+    first, end = box.offset[0], box.offset[0] + box.shape[0]
+    last = bisect.bisect_right(chunks, first, key=_first_offset) - 1
+    if last < 0:
+        return chunks
+    lo, hi, row = last, last + 1, _first_offset(chunks[last])
+    while lo > 0 and _first_offset(chunks[lo - 1]) == row:
+        lo -= 1
+    while hi < len(chunks) and _first_offset(chunks[hi]) < end:
+        hi += 1
+    covered = 0
+    for ch in chunks[lo:hi]:
+        if len(ch.offsets) != len(box.offset):
+            return chunks
+        covered += math.prod(max(0, min(o + z, b + n) - max(o, b))
+                             for o, z, b, n in zip(ch.offsets, ch.sizes, box.offset, box.shape))
+    return chunks[lo:hi] if covered == box.numel else chunks
 
 
 def _may_overlap(offsets: Sequence[int], sizes: Sequence[int], box: Box) -> bool:
