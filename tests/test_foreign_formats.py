@@ -310,6 +310,57 @@ def test_export_into_a_model_folder_with_config_and_tokenizer(tmp_path):
         export_safetensors(tmp_path / "ckpt", tmp_path / "a_file")
 
 
+def test_a_second_export_to_a_folder_being_exported_to_is_refused(tmp_path, monkeypatch):
+    """Two exports swapping weights in one folder could leave one's index naming files the
+    other removed. An export holds the folder's save lock: a second one meanwhile (overwrite or
+    not), or a save into it, is refused with ConcurrentSaveError and touches nothing; afterwards
+    the folder holds the first export's weights, whole, and an overwrite takes the lock again."""
+    import dist_ckpt.tools.export as export
+    from dist_ckpt.storage.lock import ConcurrentSaveError
+
+    run_distributed(_save_tp, 2, str(tmp_path / "ckpt"), "torch_dist")
+    folder = tmp_path / "model"
+    writing, go_on = threading.Event(), threading.Event()
+    write_shards = export._write_shards
+
+    def held_write_shards(*args, **kwargs):
+        writing.set()
+        assert go_on.wait(60)
+        return write_shards(*args, **kwargs)
+
+    monkeypatch.setattr(export, "_write_shards", held_write_shards)
+    first_errors = []
+    first = threading.Thread(target=lambda: _collect_errors(first_errors, lambda: export_safetensors(
+        tmp_path / "ckpt", folder, max_shard_size=100)))
+    first.start()
+    try:
+        assert writing.wait(60)
+        monkeypatch.setattr(export, "_write_shards", write_shards)
+        for overwrite in (False, True):
+            with pytest.raises(ConcurrentSaveError, match=f"Another save is writing {folder} right now"):
+                export_safetensors(tmp_path / "ckpt", folder, include=r"^decoder\.", overwrite=overwrite)
+        with pytest.raises(ConcurrentSaveError):
+            dist_ckpt.save({"x": ShardedTensor.from_rank_offsets("x", torch.ones(2))}, folder)
+    finally:
+        go_on.set()
+        first.join(60)
+    assert first_errors == []
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == ["decoder.norm", "decoder.weight", "optimizer.exp_avg"]
+    assert sorted(_read_safetensors_dir(folder)) == sorted(index["weight_map"])
+    assert {p.name for p in folder.iterdir()} == {"model.safetensors.index.json", *set(index["weight_map"].values())}
+    export_safetensors(tmp_path / "ckpt", folder, include=r"^decoder\.", overwrite=True)
+    assert sorted(_read_safetensors_dir(folder)) == ["decoder.norm", "decoder.weight"]
+    assert not list(tmp_path.glob(".model.*"))
+
+
+def _collect_errors(errors: list, fn) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - asserted by the test
+        errors.append(e)
+
+
 def _llama_parts(rank: int, world: int, root: str) -> None:
     """A tiny Llama's weights saved tensor-parallel (every 2-D weight split on axis 0 over the
     ranks, vectors replicated) under dist_ckpt keys of its own."""

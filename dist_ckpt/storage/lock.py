@@ -1,4 +1,5 @@
-"""The save lock: one save of a target at a time, on this machine and on filesystems with flock."""
+"""The save lock: one writer of a target at a time (a save, a conversion, an export), on this machine and
+on filesystems with flock."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ __all__ = ["ConcurrentSaveError", "SaveLock"]
 
 
 class ConcurrentSaveError(CheckpointExistsError):
-    """Another save is writing the same target right now."""
+    """Another save (or export, or conversion) is writing the same target right now."""
 
 
 class SaveLock:
@@ -41,7 +42,7 @@ class SaveLock:
                     holder = self.path.read_text(errors="replace").strip() if self.path.exists() else "?"
                     raise ConcurrentSaveError(
                         f"Another save is writing {target} right now ({holder}); wait for it to finish "
-                        f"or save elsewhere"
+                        f"or write elsewhere"
                     ) from None
                 raise
             # The file may have been unlinked by the previous holder after we opened it.

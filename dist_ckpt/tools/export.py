@@ -20,7 +20,8 @@ already holds ``config.json``, tokenizer files or a README (the usual flow: conf
 first, weights from the training checkpoint): its other files stay, and it must hold no weights
 (``*.safetensors``, a safetensors or ``pytorch_model`` index, ``pytorch_model*.bin``) unless
 ``overwrite`` - then the old weights are removed, index first, before the new ones move in, so a
-reader never sees old and new weights mixed.
+reader never sees old and new weights mixed. A local export holds the save lock of ``dst``
+(``.<name>.dist_ckpt-lock``) throughout: a second export to it meanwhile is refused, not mixed in.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..runtime.durable import fsync_directory, fsync_path
 from ..runtime.timing import phase
 from ..serialization import load_tensors_metadata, verify_checkpoint_and_load_strategy
 from ..storage.formats import SAFETENSORS_INDEX_FNAME
+from ..storage.lock import SaveLock
 from ..storage.object_store import is_url, localize, new_scratch_dir, require_empty_prefix, upload_files
 from ..strategies.base import LoadShardedStrategy
 from ..strategies.dcp.record import tensor_bytes
@@ -264,7 +266,8 @@ def export_safetensors(
         overwrite: replace the weights a local ``dst`` holds already (its other files stay).
         config: a ``config.json`` to copy into ``dst`` (replacing the one there).
     Raises:
-        CheckpointExistsError: ``dst`` is a file, or holds weights and ``overwrite`` is False.
+        CheckpointExistsError: ``dst`` is a file, or holds weights and ``overwrite`` is False;
+            ``ConcurrentSaveError`` (one) if another export or a save is writing ``dst`` now.
         CheckpointingException: two keys renamed to one name, or no tensor left to export.
     """
     if is_url(dst):
@@ -281,6 +284,22 @@ def export_safetensors(
     src, dst = localize(src, storage_options), Path(os.path.abspath(dst))
     if dst.exists() and not dst.is_dir():
         raise CheckpointExistsError(f"{dst} exists and is not a directory; export to a (model) directory")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    # One writer of dst at a time (an export, a save): two exports swapping weights in turn
+    # could leave one's index naming files the other removed. Held to the end, so the check of
+    # the weights already there is not stale when the new ones move in.
+    lock = SaveLock(dst)
+    try:
+        return _export_locally(src, dst, max_shard_size, include, dtype, rename, progress, overwrite, config)
+    finally:
+        lock.release()
+
+
+def _export_locally(src: Path, dst: Path, max_shard_size: Union[int, str], include: Optional[str],
+                    dtype: Union[str, torch.dtype, None], rename: Union[str, KeyRenamer, None],
+                    progress: Optional[Callable[[Iterable], Iterable]], overwrite: bool,
+                    config: Union[str, os.PathLike, None]) -> ExportResult:
+    """``export_safetensors`` to a local ``dst``, its lock held."""
     old_weights = weight_files(dst) if dst.is_dir() else []
     if old_weights and not overwrite:
         raise CheckpointExistsError(
