@@ -413,6 +413,20 @@ class _ViewLoadPlanner(LoadPlanner):
             return self._box_view(task.request)[task.direct.slices_in(box)]
         return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
 
+    def scatter_region(self, read_item: ReadItem, region: torch.Tensor) -> bool:
+        """A read item that is copied out piece by piece (a flattened range on either side,
+        as the distributed optimizer's state): its pieces straight from the stored chunk
+        ``region`` (the reader's buffer), where ``resolve_tensor`` + ``commit_tensor`` would
+        first copy the whole chunk into a new tensor. False (nothing done) for a direct item,
+        or a region that is not the chunk the plan expects (the caller then reports it)."""
+        task = self._tasks[_task_index(read_item)]
+        if task.direct is not None or tuple(region.shape) != tuple(task.chunk.stored_sizes):
+            return False
+        if region.dtype != self._requests[task.request].dtype:
+            return False
+        self.commit_tensor(read_item, region)
+        return True
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         task = self._tasks[_task_index(read_item)]
         if task.direct is not None:

@@ -337,6 +337,9 @@ def copy_region(source: torch.Tensor, item: ReadItem, planner: LoadPlanner, what
         if start + length > region.shape[dim]:
             raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(source.shape)} is smaller than .metadata says")
         region = region.narrow(dim, start, length)
+    scatter = getattr(planner, "scatter_region", None)  # ours: straight from here into the destinations
+    if scatter is not None and scatter(item, region):
+        return
     target = planner.resolve_tensor(item).detach()
     if target.shape != region.shape or target.dtype != region.dtype:
         raise CorruptCheckpointError(
