@@ -145,6 +145,11 @@ class TensorDesc(NamedTuple):
         box = Box(self.global_offset, (1,) * self.prepend_axis_num + self.local_shape)
         return Piece(box) if self.flat is None else Piece(box, self.flat[0], self.flat[1])
 
+    @property
+    def numel(self) -> int:
+        """``piece().numel`` without building the piece (the coordinator sums ~10^5 of them)."""
+        return math.prod(self.local_shape) if self.flat is None else self.flat[1] - self.flat[0]
+
 
 class ObjectDesc(NamedTuple):
     """What the sharding check needs of one main-replica ShardedObject."""
@@ -245,7 +250,7 @@ def _validate_tensor_key(key: str, main: List[Tuple[int, TensorDesc]], loading_r
         raise ShardingError(f"'{key}': no rank holds a main replica (replica_id 0), so nothing would be saved")
     first = main[0][1]
     total = math.prod(first.global_shape)
-    covered = sum(sh.piece().numel for _, sh in main)
+    covered = sum(sh.numel for _, sh in main)
     _check_no_overlap(key, main)
     if covered != total:
         hint = ""
