@@ -444,3 +444,73 @@ def test_zarr_save_to_a_url_from_ranks_on_several_machines(bucket, tmp_path):
     assert run_distributed(_zarr_save_from_two_machines, 2, url, str(tmp_path)) == [True, True]
     keys = _objects(bucket, "zarr_ckpt/")
     assert sum(k.endswith("/w/.zarray") for k in keys) == 1 and sum(k.endswith("/w/0.0") or k.endswith("/w/1.0") for k in keys) == 2
+
+
+def test_two_exports_racing_to_one_prefix_do_not_mix(bucket, tmp_path, monkeypatch):
+    """Two exports to one prefix would upload shard files of the same names over each other
+    (their checks for an empty prefix both pass first). The first one claims the prefix while
+    it uploads: a second one - even one that checked before the claim - is refused before it
+    uploads anything, the first one's files and index land whole, and the claim goes."""
+    from safetensors.torch import load_file
+
+    import dist_ckpt.storage.object_store.upload as upload
+    from dist_ckpt.storage.lock import ConcurrentSaveError
+    from dist_ckpt.tools.export import export_safetensors
+
+    first_src, second_src = tmp_path / "first", tmp_path / "second"
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), 1.0))}, first_src)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), 2.0))}, second_src)
+    url = f"s3://{bucket}/hf"
+    uploading, go_on = threading.Event(), threading.Event()
+    put = upload._put
+
+    def held_put(*args, **kwargs):
+        if threading.current_thread().name == "first-export" and not uploading.is_set():
+            uploading.set()
+            assert go_on.wait(60)
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(upload, "_put", held_put)
+    errors: list = []
+
+    def first_export() -> None:
+        try:
+            export_safetensors(first_src, url)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    first = threading.Thread(target=first_export, name="first-export")
+    first.start()
+    try:
+        assert uploading.wait(60)
+        assert sorted(object_etags(bucket, "hf/")) == ["hf/dist_ckpt-export.json"]
+        with pytest.raises(dist_ckpt.CheckpointExistsError, match="holds objects already"):
+            export_safetensors(second_src, url)
+        # one that found the prefix empty just before the claim: the conditional claim refuses it
+        import dist_ckpt.tools.export as export
+
+        for module in (upload, export):
+            monkeypatch.setattr(module, "require_empty_prefix", lambda u, o: upload.open_location(u, o))
+        with pytest.raises(ConcurrentSaveError, match=f"another export is uploading to {url} right now"):
+            export_safetensors(second_src, url)
+    finally:
+        go_on.set()
+        first.join(60)
+    assert errors == []
+    assert sorted(object_etags(bucket, "hf/")) == ["hf/model-00001-of-00001.safetensors",
+                                                   "hf/model.safetensors.index.json"]
+    local = tmp_path / "downloaded"
+    local.mkdir()
+    for name in ("model-00001-of-00001.safetensors", "model.safetensors.index.json"):
+        (local / name).write_bytes(_get_object(bucket, f"hf/{name}"))
+    assert torch.equal(load_file(local / "model-00001-of-00001.safetensors")["w"], torch.full((64,), 1.0))
+    # and one that checked before the claim but claims after the first one ended: its files are there
+    with pytest.raises(dist_ckpt.CheckpointExistsError, match="holds objects already"):
+        export_safetensors(second_src, url)
+    assert "hf/dist_ckpt-export.json" not in object_etags(bucket, "hf/")
+
+
+def _get_object(bucket: str, key: str) -> bytes:
+    import boto3
+
+    return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()

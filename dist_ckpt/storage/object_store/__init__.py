@@ -23,6 +23,9 @@ Two writers, and readers, racing one URL:
   without conditional writes (any fsspec protocol other than S3) get a lock object
   ``U/dist_ckpt-writer.json`` instead, checked and written when a save begins: it narrows the
   race but cannot close it (a check and a write are two requests) - one writer per URL there;
+* an export (plain files, no pointer) claims its empty prefix with ``dist_ckpt-export.json``
+  (created only if absent) while it uploads, so a second export racing to it is refused before
+  it uploads any shard over the first one's;
 * what a commit replaces is deleted one generation later: after save N commits, the save
   directories other than N and the one N replaced (named in the pointer as
   ``dist_ckpt_previous``) go, and never one younger than ``SAVE_GRACE_S`` (its save may still

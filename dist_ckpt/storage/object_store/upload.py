@@ -244,13 +244,44 @@ def publish_checkpoint(local: Path, remote: RemoteSave) -> None:
     remote.commit(config)
 
 
+EXPORT_CLAIM = "dist_ckpt-export.json"  # held at a prefix while an export uploads into it
+
+
 def upload_files(local: Path, url: str, storage_options: Optional[Mapping[str, Any]], last: Sequence[str]) -> None:
     """A directory of plain files (an export) to an empty ``url``, the names ``last`` after the
-    others (the index of a safetensors export, which readers follow)."""
+    others (the index of a safetensors export, which readers follow).
+
+    Two exports racing to one prefix would upload shard files of the same names over each
+    other, and the index that lands last could name the other one's shards. So the upload
+    claims the prefix first (``EXPORT_CLAIM``, created only if absent: S3's ``If-None-Match``;
+    elsewhere checked, then written) and lists it again: the second export is refused with
+    ``ConcurrentSaveError``, or ``CheckpointExistsError`` once the first one's files are there,
+    before it uploads anything. The claim goes when the upload ends."""
     loc = require_empty_prefix(url, storage_options)
-    names = sorted(scratch_listing(local))
-    _put(loc, local, [n for n in names if n not in last])
-    _put(loc, local, [n for n in names if n in last])
+    _claim_for_export(loc, url)
+    try:
+        names = sorted(scratch_listing(local))
+        _put(loc, local, [n for n in names if n not in last])
+        _put(loc, local, [n for n in names if n in last])
+    finally:
+        try:
+            loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
+        except CheckpointingException as e:  # the store went away: the claim stays, naming this export
+            logger.warning("%s: %s not removed: %s", url, EXPORT_CLAIM, e)
+
+
+def _claim_for_export(loc: StoreLocation, url: str) -> None:
+    conditional = loc.url.split("://", 1)[0] in CONDITIONAL_PROTOCOLS
+    claim = json.dumps({"export": uuid.uuid4().hex, "host": os.uname().nodename, "pid": os.getpid(),
+                        "started": time.time()}).encode()
+    condition: Dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
+    try:
+        loc.call("claiming the prefix for the export", "pipe_file", loc.child(EXPORT_CLAIM), claim, **condition)
+    except PreconditionFailed:
+        raise ConcurrentSaveError(f"another export is uploading to {url} right now; export to a new prefix") from None
+    if set(listing(loc, loc.path, skip_save_dirs=False)) - {EXPORT_CLAIM}:  # one that ended in between
+        loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
+        raise CheckpointExistsError(f"{url} holds objects already; export to a new prefix")
 
 
 def require_empty_prefix(url: str, storage_options: Optional[Mapping[str, Any]]) -> StoreLocation:
