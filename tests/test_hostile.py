@@ -366,3 +366,30 @@ def test_manifest_scales_to_a_million_entries(tmp_path):
     manifest = load_manifest(tmp_path)
     assert len(manifest.entries) == 1_000_000
     assert manifest.lookup("__7_0.distcp", 64 * 3).hash == f"{3 * 4096 + 7:016x}"
+
+
+def test_stored_chunks_that_overlap_inside_a_request_are_refused(tmp_path):
+    """A forged or damaged .metadata whose chunks overlap can make the count of elements read
+    come out right while part of the request is filled by no chunk (here rows 6-7, the second
+    chunk moved onto rows 2-5): that part would keep whatever the destination held. The load
+    refuses it, naming both chunks; the undamaged checkpoint loads bit-exactly."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    full = torch.arange(32, dtype=torch.float32).view(8, 4)
+    blocks = {f"w@{i}": ShardedTensor.from_rank_offsets("w", full[4 * i:4 * i + 4].clone(), (0, i, 2))
+              for i in range(2)}
+    for name in ("good", "forged"):
+        dist_ckpt.save(blocks, tmp_path / name, validate_access_integrity=False)
+
+    def move_second_chunk(metadata):
+        md = metadata.state_dict_metadata["w"]
+        second = next(ch for ch in md.chunks if ch.offsets[0] == 4)
+        second.offsets = torch.Size([2, 0])
+        metadata.storage_data[MetadataIndex("w", (2, 0))] = metadata.storage_data.pop(MetadataIndex("w", (4, 0)))
+
+    _rewrite_dcp_metadata(tmp_path / "forged", move_second_chunk)
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.full((8, 4), -1.0))}
+    with pytest.raises(CorruptCheckpointError, match=r"'w': the stored chunks at \[0, 0\] and \[2, 0\] both claim "
+                                                     r"the elements at \[2, 0\] \(shape \[2, 4\]\)"):
+        dist_ckpt.load(request, tmp_path / "forged")
+    assert tensors_bitwise_equal(dist_ckpt.load(request, tmp_path / "good")["w"], full)

@@ -20,7 +20,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import (
 
 from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ...mapping import ShardedObject, ShardedTensor
-from ...sharding.geometry import Box, Piece, SubBox, intersect
+from ...sharding.geometry import Box, Piece, SubBox, find_overlap, intersect
 
 __all__ = [
     "REFORMULATED_SHAPE_KEY",
@@ -366,6 +366,7 @@ def plan_tensor_reads(
             catalogs[sh.key] = _ChunkIndex(stored_tensor_catalog(sh.key, md, mcore_data, near))
         req_subs = req_piece.subboxes()
         loaded = 0
+        first_task = len(tasks)
         for chunk in catalogs[sh.key].meeting(req_piece.box):
             planned = _read_from_chunk(sh.key, req_idx, req_piece, req_subs, chunk)
             if planned is None:
@@ -389,7 +390,30 @@ def plan_tensor_reads(
                 f"'{sh.key}': the checkpoint's chunks hold {loaded} of the {expected} requested elements "
                 f"at offset {sh.global_offset}; the checkpoint is incomplete"
             )
+        if len(tasks) - first_task > 1:
+            _check_disjoint(sh.key, tasks[first_task:])
     return items, tasks
+
+
+def _check_disjoint(key: str, tasks: Sequence[ReadTask]) -> None:
+    """The parts of one request that different stored chunks fill must not overlap.
+
+    The count above is of elements read, so chunks that overlap inside a request (a damaged
+    or forged ``.metadata``: a checkpoint written by any rank layout never has them) could make
+    it come out right while another part of the request is filled by none, which would keep
+    whatever the destination held. A checkpoint that loads at all has at most a few chunks per
+    request, so this costs little; one chunk (the same layout) costs nothing."""
+    regions: List[Tuple[Any, Piece]] = []
+    for task in tasks:
+        boxes = [task.direct] if task.direct is not None else [inter for _, _, inter in task.copies]
+        regions.extend((task.chunk.index.offset, Piece(box)) for box in boxes)
+    overlap = find_overlap(regions)
+    if overlap is not None:
+        first, second, common = overlap
+        raise CorruptCheckpointError(
+            f"'{key}': the stored chunks at {list(first or [])} and {list(second or [])} both claim the elements "
+            f"at {list(common.offset)} (shape {list(common.shape)}); the checkpoint's .metadata is damaged"
+        )
 
 
 def _stored_tensor(key: str, metadata: Metadata) -> TensorStorageMetadata:
