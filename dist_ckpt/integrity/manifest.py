@@ -269,8 +269,8 @@ def _is_well_formed(f: Optional[Tuple[Any, ...]]) -> bool:
 def _all_well_formed(rows: List[Optional[Tuple[Any, ...]]]) -> bool:
     """``_is_well_formed`` of every row, checked column by column: a checkpoint of N ranks has
     entries for every rank's items, and every rank of a load reads them all, so the per-entry
-    checks made each rank's load grow with N (16 ms of 8,000 entries, now 4). File names repeat
-    (one per data file), so each is checked once."""
+    checks made each rank's load grow with N (parsing 8,000 entries took 16 ms; these checks now
+    take 3 ms of its 9.5). File names repeat (one per data file), so each is checked once."""
     if any(f is None for f in rows):
         return False
     files, offsets, lengths, hashes, keys = zip(*rows) if rows else ((), (), (), (), ())
