@@ -683,7 +683,7 @@ def test_flattened_ranges_are_scattered_from_the_read_buffer(tmp_path, monkeypat
     thirds) copies each stored chunk's pieces straight from the reader's buffer into the
     destinations: no new tensor per chunk, no copy of the whole chunk first. The same bytes
     as the old path, bit for bit, in three dtypes."""
-    from dist_ckpt.strategies import torch_dist
+    from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
 
     rows, cols = 48, 40
     numel = rows * cols
@@ -700,10 +700,10 @@ def test_flattened_ranges_are_scattered_from_the_read_buffer(tmp_path, monkeypat
 
     dist_ckpt.save(flat_parts(2, True), tmp_path / "c", validate_access_integrity=False)
     resolved, scattered = [], []
-    resolve, scatter = torch_dist._ViewLoadPlanner.resolve_tensor, torch_dist._ViewLoadPlanner.scatter_region
-    monkeypatch.setattr(torch_dist._ViewLoadPlanner, "resolve_tensor",
+    resolve, scatter = ViewLoadPlanner.resolve_tensor, ViewLoadPlanner.scatter_region
+    monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor",
                         lambda self, item: resolved.append(item) or resolve(self, item))
-    monkeypatch.setattr(torch_dist._ViewLoadPlanner, "scatter_region",
+    monkeypatch.setattr(ViewLoadPlanner, "scatter_region",
                         lambda self, item, region: scattered.append(item) or scatter(self, item, region))
     loaded = dist_ckpt.load(flat_parts(3, False), tmp_path / "c", validate_access_integrity=False)
     assert resolved == [] and len(scattered) == 3 * 4  # per key: thirds 0 and 2 meet one half, third 1 both

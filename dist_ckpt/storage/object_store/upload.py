@@ -264,10 +264,7 @@ def upload_files(local: Path, url: str, storage_options: Optional[Mapping[str, A
         _put(loc, local, [n for n in names if n not in last])
         _put(loc, local, [n for n in names if n in last])
     finally:
-        try:
-            loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
-        except CheckpointingException as e:  # the store went away: the claim stays, naming this export
-            logger.warning("%s: %s not removed: %s", url, EXPORT_CLAIM, e)
+        _release_export_claim(loc, url)
 
 
 def _claim_for_export(loc: StoreLocation, url: str) -> None:
@@ -280,8 +277,15 @@ def _claim_for_export(loc: StoreLocation, url: str) -> None:
     except PreconditionFailed:
         raise ConcurrentSaveError(f"another export is uploading to {url} right now; export to a new prefix") from None
     if set(listing(loc, loc.path, skip_save_dirs=False)) - {EXPORT_CLAIM}:  # one that ended in between
-        loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
+        _release_export_claim(loc, url)
         raise CheckpointExistsError(f"{url} holds objects already; export to a new prefix")
+
+
+def _release_export_claim(loc: StoreLocation, url: str) -> None:
+    try:
+        loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
+    except CheckpointingException as e:  # the store went away: the claim stays, naming this export
+        logger.warning("%s: %s not removed: %s", url, EXPORT_CLAIM, e)
 
 
 def require_empty_prefix(url: str, storage_options: Optional[Mapping[str, Any]]) -> StoreLocation:
