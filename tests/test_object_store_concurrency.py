@@ -514,3 +514,41 @@ def _get_object(bucket: str, key: str) -> bytes:
     import boto3
 
     return boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def test_an_export_to_a_stalled_server_fails_within_the_deadline(bucket, s3_endpoint, tmp_path, monkeypatch, caplog):
+    """The server stops answering while an export uploads, after its claim: the export fails with
+    a StorageError naming the URL within its deadline, not after minutes, and says it could not
+    remove its claim. What the stopped server received still lands when it resumes (a deadline
+    ends the wait, not the request), but never the index readers follow, and a second export
+    is kept out of the half-written prefix."""
+    import dist_ckpt.storage.object_store.upload as upload
+    from dist_ckpt.storage.object_store import StorageError
+    from dist_ckpt.tools.export import export_safetensors
+
+    src = tmp_path / "src"
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((64,), 1.0))}, src)
+    url = f"s3://{bucket}/hf"
+    opts = {"dist_ckpt_deadline_s": 2}
+    put = upload._put
+    stalled = contextlib.ExitStack()
+
+    def put_while_stalled(*args, **kwargs):
+        stalled.enter_context(_stalled(s3_endpoint))
+        return put(*args, **kwargs)
+
+    monkeypatch.setattr(upload, "_put", put_while_stalled)
+    start = time.monotonic()
+    try:
+        with caplog.at_level("WARNING", logger="dist_ckpt"):
+            with pytest.raises(StorageError, match="no answer within 2 s") as info:
+                export_safetensors(src, url, storage_options=opts)
+    finally:
+        stalled.close()
+    took = time.monotonic() - start
+    assert url in str(info.value) and took < 15, took
+    assert "dist_ckpt-export.json not removed" in caplog.text
+    assert "hf/model.safetensors.index.json" not in object_etags(bucket, "hf/")
+    monkeypatch.setattr(upload, "_put", put)
+    with pytest.raises(dist_ckpt.CheckpointExistsError, match="holds objects already"):
+        export_safetensors(src, url)

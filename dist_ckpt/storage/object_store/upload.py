@@ -284,7 +284,7 @@ def _claim_for_export(loc: StoreLocation, url: str) -> None:
 def _release_export_claim(loc: StoreLocation, url: str) -> None:
     try:
         loc.call("removing the export's claim", "rm", loc.child(EXPORT_CLAIM))
-    except CheckpointingException as e:  # the store went away: the claim stays, naming this export
+    except CheckpointingException as e:  # no answer: the claim may stay, naming this export (clean by hand)
         logger.warning("%s: %s not removed: %s", url, EXPORT_CLAIM, e)
 
 
