@@ -21,7 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple, Union, cast
+from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union, cast
 
 import xxhash
 
@@ -42,6 +42,7 @@ __all__ = [
     "forget_recorder",
     "hash_bytes",
     "load_manifest",
+    "manifest_given",
     "write_manifest",
     "update_manifest",
     "verification",
@@ -185,17 +186,26 @@ def forget_recorder(checkpoint_dir: Union[str, os.PathLike]) -> List[ManifestEnt
 
 @dataclass(frozen=True)
 class Manifest:
+    """The entries of a manifest by (file, offset) and by file. A ``partial`` one holds only
+    some files' entries (``part``: what a load's coordinator sends a rank): a range it does not
+    list is looked up in the whole manifest, never taken as unlisted."""
+
     entries: Dict[Tuple[str, int], ManifestEntry]
     files: Dict[str, List[ManifestEntry]]
+    partial: bool = False
 
     @classmethod
-    def from_entries(cls, entries: List[ManifestEntry]) -> "Manifest":
+    def from_entries(cls, entries: List[ManifestEntry], partial: bool = False) -> "Manifest":
         by_range: Dict[Tuple[str, int], ManifestEntry] = {}
         files: Dict[str, List[ManifestEntry]] = {}
         for e in entries:
             by_range[(e.file, e.offset)] = e
             files.setdefault(e.file, []).append(e)
-        return cls(by_range, files)
+        return cls(by_range, files, partial)
+
+    def part(self, files: Iterable[str]) -> "Manifest":
+        """A partial manifest with the entries of ``files`` (those this manifest lists)."""
+        return Manifest.from_entries([e for f in set(files) for e in self.files.get(f, ())], partial=True)
 
     def lookup(self, file: str, offset: int) -> Optional[ManifestEntry]:
         return self.entries.get((file, offset))
@@ -297,7 +307,7 @@ def _is_plain_relative(name: str) -> bool:
 
 def update_manifest(checkpoint_dir: Path, drop: "Callable[[ManifestEntry], bool]", add: List[ManifestEntry]) -> None:
     """Rewrite the manifest (if there is one) without the entries ``drop`` selects, plus ``add``."""
-    manifest = load_manifest(checkpoint_dir)
+    manifest = _manifest_on_disk(checkpoint_dir)
     if manifest is None:
         return
     kept = [e for entries in manifest.files.values() for e in entries if not drop(e)]
@@ -309,8 +319,34 @@ _manifest_lock = threading.Lock()
 _logged_missing: set = set()
 
 
+_given: contextvars.ContextVar[Optional[Tuple[str, Manifest]]] = contextvars.ContextVar(
+    "dist_ckpt_given_manifest", default=None)
+
+
+@contextlib.contextmanager
+def manifest_given(checkpoint_dir: Union[str, os.PathLike], manifest: Optional[Manifest]) -> Iterator[None]:
+    """Inside the block (this thread), ``load_manifest(checkpoint_dir)`` is ``manifest`` (a
+    rank's part, from the load's coordinator, which read and checked the whole file once: a
+    manifest lists every rank's items, so reading it on every rank made each rank's load grow
+    with the number of ranks). None: nothing given, the file is read as usual."""
+    token = _given.set(None if manifest is None else (os.path.abspath(checkpoint_dir), manifest))
+    try:
+        yield
+    finally:
+        _given.reset(token)
+
+
 def load_manifest(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Manifest]:
-    """The checkpoint's manifest, or None (logged once) if it has none."""
+    """The checkpoint's manifest (the part given for it, ``manifest_given``), or None (logged
+    once) if it has none."""
+    given = _given.get()
+    if given is not None and given[0] == os.path.abspath(checkpoint_dir):
+        return given[1]
+    return _manifest_on_disk(checkpoint_dir)
+
+
+def _manifest_on_disk(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Manifest]:
+    """The whole manifest file, parsed once per version and process."""
     path = Path(checkpoint_dir) / MANIFEST_FNAME
     key = os.path.abspath(path)
     try:
@@ -370,6 +406,9 @@ def expected_entry(manifest: Manifest, checkpoint_dir: Union[str, os.PathLike], 
     """The manifest's entry for the bytes at ``offset`` of ``file``; an error if it has none
     (readers that hash while reading look it up first, then call ``check_digest``)."""
     entry = manifest.lookup(file, offset)
+    if entry is None and manifest.partial:  # not in this rank's part: the whole manifest decides
+        whole = _manifest_on_disk(checkpoint_dir)
+        entry = None if whole is None else whole.lookup(file, offset)
     if entry is None:
         raise CorruptCheckpointError(
             f"{Path(checkpoint_dir) / file}: bytes at offset {offset} ({what or file}) are not listed in "

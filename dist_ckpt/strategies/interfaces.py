@@ -15,6 +15,9 @@ Call order of a load (``dist_ckpt.load``), on every rank:
   3. ``LoadShardedStrategy.load_sharded_metadata(dir)`` if the strict mode needs it;
   4. ``LoadShardedStrategy.load(sharded_state_dict, dir)`` (and ``load_sharded_objects`` of
      the common strategy when the sharded one cannot handle objects).
+With the access check (the default), the load's coordinator first calls
+``LoadShardedStrategy.index_parts(dir, every rank's RequestedRegions)``; a strategy that returns
+parts there gets ``load_with_index_part(sharded_state_dict, dir, part)`` instead of ``load``.
 
 Contract for strategies that run collectives of their own (custom strategies read this):
   * ``dist_ckpt`` wraps ``SaveShardedStrategy.save`` (of a strategy that is not an
@@ -35,10 +38,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from enum import Enum
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from ..core import StrategyCompatibilityError
 from ..mapping import ShardedStateDict, StateDict
+from ..sharding.regions import RequestedRegions
 from .async_utils import AsyncRequest
 
 __all__ = [
@@ -51,7 +56,17 @@ __all__ = [
     "SaveCommonStrategy",
     "LoadCommonStrategy",
     "AsyncSaveShardedStrategy",
+    "IndexPart",
 ]
+
+
+@dataclass(frozen=True)
+class IndexPart:
+    """One rank's part of a checkpoint's index (``LoadShardedStrategy.index_parts``): the
+    strategy's own ``content``, and the files it names, whose checksums the rank gets with it."""
+
+    content: Any
+    files: FrozenSet[str]
 
 
 class StrategyAction(Enum):
@@ -145,6 +160,19 @@ class LoadShardedStrategy(LoadStrategyBase):
             ``data``, filled in place, or a new CPU tensor if it had none) and every object by
             its value. Raises a ``CheckpointingException`` naming the key or file on bad input.
         """
+
+    def index_parts(self, checkpoint_dir: Path, requests: Sequence[RequestedRegions]
+                    ) -> Optional[List[Optional[IndexPart]]]:
+        """On the load's coordinator (dist_ckpt's extension): each rank's part of the
+        checkpoint's index, cut from one reading of it, for ``load_with_index_part`` - so that no
+        rank reads every rank's entries. None (the default): every rank reads the index itself.
+        A part may be None for a rank that should read the whole index."""
+        return None
+
+    def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
+                             index_part: IndexPart) -> StateDict:
+        """``load`` with this rank's part from ``index_parts`` (called only with a part)."""
+        return self.load(sharded_state_dict, checkpoint_dir)
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:

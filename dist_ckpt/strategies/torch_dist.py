@@ -7,7 +7,8 @@ Save call order (every rank):
   2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files
      (``dcp.files``: hashed while written, fsync per file), in the background if scheduled;
   3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
-Load reads ``.metadata`` through the safe unpickler, plans which chunk regions land in which
+Load reads ``.metadata`` through the safe unpickler (on the coordinator alone when the access
+check runs: each rank gets its part, ``index_parts``), plans which chunk regions land in which
 destination views (``plan_tensor_reads``, which also checks sizes before anything is
 allocated), and reads them with bounds- and checksum-checked file access.
 """
@@ -20,7 +21,7 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union, cast
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -55,9 +56,12 @@ from ..runtime.collectives import DistWrapper
 from ..runtime.durable import atomic_write_bytes, fsync_directory
 from ..sharding.fingerprint import structure_fingerprint
 from ..sharding.geometry import find_overlap
+from ..sharding.regions import RequestedRegions
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
+from .interfaces import IndexPart
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
+from .dcp.index_parts import CompactIndex, IndexCutter
 from .dcp.plan import (
     LocalSavePlan,
     make_global_metadata,
@@ -404,7 +408,29 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return load_through_dcp(sharded_state_dict, Path(checkpoint_dir), self.storage_reader_factory,
                                     self.planner, self.thread_count)
         reader = DcpReader(checkpoint_dir, self.thread_count)
-        metadata = reader.read_metadata()
+        return self._load_direct(sharded_state_dict, reader, reader.read_metadata())
+
+    def index_parts(self, checkpoint_dir: Path, requests: Sequence[RequestedRegions]
+                    ) -> Optional[List[Optional[IndexPart]]]:
+        """Each rank's part of ``.metadata`` (``dcp.index_parts``), from one checked reading of
+        it. None when the load goes through a user's reader or planner (DCP's protocol reads the
+        index itself), or a subclass loads its own way."""
+        if (self.storage_reader_factory is not None or self.planner is not None
+                or type(self).load is not TorchDistLoadShardedStrategy.load):
+            return None
+        cutter = IndexCutter(read_dcp_metadata(Path(checkpoint_dir)))
+        return [cutter.part(request) for request in requests]
+
+    def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
+                             index_part: IndexPart) -> StateDict:
+        if not isinstance(index_part.content, CompactIndex):
+            return self.load(sharded_state_dict, checkpoint_dir)
+        return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count),
+                                 index_part.content.to_metadata())
+
+    def _load_direct(self, sharded_state_dict: ShardedStateDict, reader: DcpReader, metadata: Metadata
+                     ) -> StateDict:
+        """Plan against ``metadata`` (the whole index or this rank's part), read, copy back."""
         leaves = list(nested_values(sharded_state_dict))
         requests = [t for t in leaves if isinstance(t, ShardedTensor)]
         objects = [o for o in leaves if isinstance(o, ShardedObject)]

@@ -1,0 +1,247 @@
+"""Each rank's part of the index, cut on the load's coordinator (``strategies/dcp/index_parts``).
+
+Issue 22: every rank of a load read and checked the whole ``.metadata`` and manifest, which list
+every saving rank's entries, so a rank's load work grew with the number of ranks. With the
+access check, the coordinator reads them once and sends each rank only what its request meets.
+These tests check that a part plans exactly as the whole index does, holds only the rank's own
+entries, that ranks load bit-exactly from parts without reading the index, and that whatever
+the coordinator cannot cut for, or a checkpoint replaced after the cut, is never loaded wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_ckpt
+from dist_ckpt import ShardedObject, ShardedTensor
+from dist_ckpt.core import CorruptCheckpointError
+from dist_ckpt.dict_utils import nested_values, tensors_bitwise_equal
+from dist_ckpt.integrity import manifest as manifest_module
+from dist_ckpt.sharding.regions import requested_regions
+from dist_ckpt.strategies.dcp.index_parts import IndexCutter
+from dist_ckpt.strategies.dcp.plan import plan_tensor_reads
+from dist_ckpt.strategies.torch_dist import read_dcp_metadata
+from dist_helpers import run_distributed
+
+WORLD = 4
+KEYS = 40
+FLAT_SHAPE = (8, 6)  # 2 tensor-parallel row blocks of (4, 6), each flattened over 2 data-parallel ranks
+FLAT_SPLIT = [0, 10, 24]
+
+
+def _full(key: str, shape) -> torch.Tensor:
+    seed = sum(map(ord, key))
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) * 0.5 + seed
+
+
+def _request(rank: int, world: int, data: bool, salt: float = 0.0) -> dict:
+    """Row blocks of KEYS tensors, one 2 x 2 grid tensor (4 ranks), a flattened optimizer
+    tensor (4 ranks: TP 2 x DP 2) and one object per rank."""
+    sd: dict = {}
+    for i in range(KEYS):
+        g = _full(f"rows.{i}", (world * 2, 3)) + salt
+        part = g[rank * 2:(rank + 1) * 2].clone() if data else torch.zeros(2, 3)
+        sd[f"rows.{i}"] = ShardedTensor.from_rank_offsets(f"rows.{i}", part, (0, rank, world))
+    if world == WORLD:
+        row, col = divmod(rank, 2)
+        g = _full("grid", (4, 6)) + salt
+        part = g[row * 2:row * 2 + 2, col * 3:col * 3 + 3].clone() if data else torch.zeros(2, 3)
+        sd["grid"] = ShardedTensor.from_rank_offsets("grid", part, (0, row, 2), (1, col, 2))
+        tp, dp = divmod(rank, 2)
+        box = (_full("flat", FLAT_SHAPE) + salt)[tp * 4:tp * 4 + 4].reshape(-1)
+        rng = slice(FLAT_SPLIT[dp], FLAT_SPLIT[dp + 1])
+        values = box[rng].clone() if data else torch.zeros(rng.stop - rng.start)
+        sd["flat"] = ShardedTensor.from_rank_offsets_flat("flat", values, (4, 6), (0, tp, 2), flattened_range=rng)
+        sd["obj"] = ShardedObject("obj", {"rank": rank, "salt": salt} if data else None, (world,), (rank,))
+    return sd
+
+
+def _save(rank: int, world: int, ckpt: str, salt: float) -> bool:
+    dist_ckpt.save(_request(rank, world, True, salt), ckpt)
+    return True
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One 4-rank checkpoint, and a second one of the same structure with other values."""
+    root = tmp_path_factory.mktemp("index_parts")
+    run_distributed(_save, WORLD, str(root / "ckpt"), 0.0)
+    run_distributed(_save, WORLD, str(root / "other"), 1000.0)
+    return root
+
+
+def _reads(requests, metadata):
+    items, tasks = plan_tensor_reads(requests, metadata)
+    return [(i.storage_index, tuple(i.storage_offsets), tuple(i.lengths), i.dest_index.fqn) for i in items]
+
+
+def _resharded_requests(rank: int) -> list:
+    """2 ranks asking for other boxes: half of each row tensor, a column half of the grid, the
+    flattened tensor by other flat ranges of the whole."""
+    reqs = [ShardedTensor.from_rank_offsets(f"rows.{i}", torch.zeros(4, 3), (0, rank, 2)) for i in range(KEYS)]
+    reqs.append(ShardedTensor.from_rank_offsets("grid", torch.zeros(4, 3), (1, rank, 2)))
+    rng = slice(0, 7) if rank == 0 else slice(7, 48)
+    reqs.append(ShardedTensor.from_rank_offsets_flat("flat", torch.zeros(rng.stop - rng.start), FLAT_SHAPE,
+                                                     flattened_range=rng))
+    return reqs
+
+
+def test_a_ranks_part_of_the_index_is_its_own(saved):
+    """A part plans exactly the reads the whole index gives (same layout, resharded, flattened
+    ranges), holds one chunk per key and names one data file for the same layout, and its size
+    is a fraction of the whole index: what a rank receives follows its own request."""
+    metadata = read_dcp_metadata(saved / "ckpt")
+    cutter = IndexCutter(metadata)
+    whole_bytes = (saved / "ckpt" / ".metadata").stat().st_size
+    for rank in range(WORLD):
+        request = [sh.without_data() for sh in nested_values(_request(rank, WORLD, False))]
+        part = cutter.part(requested_regions(request))
+        assert part is not None
+        part_md = part.content.to_metadata()
+        tensors = [sh for sh in request if isinstance(sh, ShardedTensor)]
+        assert _reads(tensors, part_md) == _reads(tensors, metadata)
+        assert {len(md.chunks) for k, md in part_md.state_dict_metadata.items() if not k.startswith("obj/")} == {1}
+        assert len(part.files) == 1 and all(info.relative_path in part.files for info in part_md.storage_data.values())
+        assert set(part_md.state_dict_metadata) == {sh.key for sh in tensors} | {f"obj/shard_{rank}_4"}
+        assert len(pickle.dumps(part)) < whole_bytes / 2
+    for rank in range(2):
+        tensors = _resharded_requests(rank)
+        part = cutter.part(requested_regions(tensors))
+        assert part is not None
+        assert _reads(tensors, part.content.to_metadata()) == _reads(tensors, metadata)
+        read_files = {metadata.storage_data[index].relative_path for index, _, _, _ in _reads(tensors, metadata)}
+        assert part.files >= read_files  # a flat range of a whole tensor may take whole fragments: a superset
+        assert len(part.content.to_metadata().state_dict_metadata["rows.0"].chunks) == 2  # of 4: those in its half
+    # flattened ranges that are the stored ones, and one inside a single stored range
+    flat = ShardedTensor.from_rank_offsets_flat("flat", torch.zeros(3), (4, 6), (0, 1, 2), flattened_range=slice(11, 14))
+    part_md = cutter.part(requested_regions([flat])).content.to_metadata()
+    assert len(part_md.state_dict_metadata["flat"].chunks) == 1
+    assert _reads([flat], part_md) == _reads([flat], metadata)
+
+
+def test_a_request_the_coordinator_cannot_cut_for_gets_the_whole_index(saved):
+    """A key the checkpoint lacks, or holds as another kind, gets no part: that rank reads the
+    whole index and reports it naming what the checkpoint holds, as without parts."""
+    cutter = IndexCutter(read_dcp_metadata(saved / "ckpt"))
+    missing = ShardedTensor.from_rank_offsets("nope", torch.zeros(2))
+    assert cutter.part(requested_regions([missing])) is None
+    assert cutter.part(requested_regions([ShardedTensor.from_rank_offsets("obj/shard_0_4", torch.zeros(1))])) is None
+    assert cutter.part(requested_regions([ShardedObject("rows.0", None, (1,), (0,))])) is None
+    assert cutter.part(requested_regions([ShardedObject("obj", None, (4,), (3,))])) is not None
+
+
+def test_a_partial_manifest_defers_to_the_whole_one(saved):
+    """A rank's part of the manifest holds its files' entries; a range it does not list is
+    looked up in the whole manifest (an entry there is used, a range listed nowhere is refused),
+    and the part is what ``load_manifest`` gives for that checkpoint only, inside the block."""
+    ckpt = saved / "ckpt"
+    whole = manifest_module.load_manifest(ckpt)
+    part = whole.part({"__0_0.distcp"})
+    assert set(part.files) == {"__0_0.distcp"} and part.partial
+    with manifest_module.manifest_given(ckpt, part):
+        assert manifest_module.load_manifest(ckpt) is part
+        assert manifest_module.load_manifest(saved / "other") is not part
+        entry = next(iter(whole.files["common.pt"]))
+        assert manifest_module.expected_entry(part, ckpt, "common.pt", entry.offset) == entry
+        with pytest.raises(CorruptCheckpointError, match="not listed"):
+            manifest_module.expected_entry(part, ckpt, "common.pt", entry.offset + 1)
+    assert manifest_module.load_manifest(ckpt) is whole
+
+
+def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
+    """Load with parts cut whatever this machine's cores; count what each rank read itself."""
+    import dist_ckpt.pipeline.load as load_pipeline
+    from dist_ckpt.strategies.dcp import files
+
+    load_pipeline.cuts_index = lambda world_size: True
+    counts = {"index": 0, "manifest": 0}
+    read_index, parse = files.DcpReader._read_checked_metadata, manifest_module.parse_manifest
+
+    def counted_index(self, path):
+        counts["index"] += 1
+        return read_index(self, path)
+
+    def counted_parse(raw, where):
+        counts["manifest"] += 1
+        return parse(raw, where)
+
+    files.DcpReader._read_checked_metadata = counted_index
+    manifest_module.parse_manifest = counted_parse
+    ckpt = f"{root}/ckpt"
+    if resharded:
+        request = {sh.key: sh for sh in _resharded_requests(rank)}
+        loaded = dist_ckpt.load(request, ckpt)
+        ok = all(tensors_bitwise_equal(loaded[f"rows.{i}"], _full(f"rows.{i}", (8, 3))[rank * 4:(rank + 1) * 4])
+                 for i in range(KEYS))
+        ok &= tensors_bitwise_equal(loaded["grid"], _full("grid", (4, 6))[:, rank * 3:(rank + 1) * 3])
+        rng = slice(0, 7) if rank == 0 else slice(7, 48)
+        ok &= tensors_bitwise_equal(loaded["flat"], _full("flat", FLAT_SHAPE).reshape(-1)[rng])
+    else:
+        loaded = dist_ckpt.load(_request(rank, world, False), ckpt)
+        expected = _request(rank, world, True)
+        ok = all(tensors_bitwise_equal(loaded[k], expected[k].data) for k in expected if k != "obj")
+        ok &= loaded["obj"] == {"rank": rank, "salt": 0.0}
+    return {"ok": ok, **counts}
+
+
+def test_ranks_load_from_their_parts_without_reading_the_index(saved):
+    """4 ranks (same layout) and 2 ranks (resharded: row halves, a grid's column halves, other
+    flat ranges) load bit-exactly; only the coordinator reads and parses ``.metadata`` and the
+    manifest, once each."""
+    for world, resharded in ((WORLD, False), (2, True)):
+        results = run_distributed(_load_from_parts, world, str(saved), resharded)
+        assert all(r["ok"] for r in results), results
+        assert results[0]["index"] == 1 and results[0]["manifest"] == 1, results
+        assert all(r["index"] == 0 and r["manifest"] == 0 for r in results[1:]), results
+
+
+def _replaced_after_the_cut(rank: int, world: int, root: str, verify: bool) -> object:
+    """Rank 0 swaps another checkpoint of the same structure in after the coordinator cut the
+    parts and before any rank opens it (both ranks wait for the swap)."""
+    import torch.distributed as dist
+
+    import dist_ckpt.pipeline.load as load_pipeline
+
+    load_pipeline.cuts_index = lambda world_size: True
+    real_open = load_pipeline._open
+    ckpt = f"{root}/race-{verify}"
+
+    def open_after_the_swap(*args):
+        if rank == 0:
+            os.rename(ckpt, f"{ckpt}-old")
+            shutil.copytree(f"{root}/other", ckpt)
+        dist.barrier()
+        return real_open(*args)
+
+    load_pipeline._open = open_after_the_swap
+    if rank == 0:
+        shutil.copytree(f"{root}/ckpt", ckpt)
+    dist.barrier()
+    try:
+        loaded = dist_ckpt.load(_request(rank, world, False), ckpt, verify_checksums=verify)
+    except CorruptCheckpointError as e:
+        return str(e)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(f"{ckpt}-old", ignore_errors=True)
+    # without checksums: every value is the other checkpoint's (same structure, same offsets)
+    expected = _request(rank, world, True, 1000.0)
+    return all(tensors_bitwise_equal(loaded[k], expected[k].data) for k in expected if k != "obj")
+
+
+def test_a_checkpoint_replaced_after_the_cut_is_not_mixed(saved):
+    """A save or rollback that replaces the checkpoint between the coordinator's cut and the
+    ranks' reads: with checksums (the default) every rank refuses (the parts' checksums are the
+    replaced checkpoint's); without them, every rank loads the new checkpoint's values whole,
+    never a mix of the two."""
+    for message in run_distributed(_replaced_after_the_cut, WORLD, str(saved), True):
+        assert isinstance(message, str) and "checksum mismatch" in message, message
+    assert run_distributed(_replaced_after_the_cut, WORLD, str(saved), False) == [True] * WORLD
