@@ -159,7 +159,7 @@ def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
     import dist_ckpt.pipeline.load as load_pipeline
     from dist_ckpt.strategies.dcp import files
 
-    load_pipeline.cuts_index = lambda world_size: True
+    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
     counts = {"index": 0, "manifest": 0}
     read_index, parse = files.DcpReader._read_checked_metadata, manifest_module.parse_manifest
 
@@ -208,7 +208,7 @@ def _replaced_after_the_cut(rank: int, world: int, root: str, verify: bool) -> o
 
     import dist_ckpt.pipeline.load as load_pipeline
 
-    load_pipeline.cuts_index = lambda world_size: True
+    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
     real_open = load_pipeline._open
     ckpt = f"{root}/race-{verify}"
 

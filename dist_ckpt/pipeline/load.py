@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import os
+import socket
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, Optional, Set, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 from ..dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from ..mapping import (
@@ -46,7 +48,7 @@ from ..validation import (
 )
 
 __all__ = ["LoadRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint", "open_checkpoint", "read",
-           "load_sharded_metadata_with", "cuts_index"]
+           "load_sharded_metadata_with", "wants_index_part"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -110,6 +112,16 @@ class _CoordinatorAnswer:
     manifest_part: Optional[Manifest] = None
 
 
+class _RankRequest(NamedTuple):
+    """What each rank sends the coordinator: its request summarized for the access check, its
+    regions (for its part of the index), and the host it runs on with the cores it may use."""
+
+    summary: ShardingSummary
+    regions: RequestedRegions
+    host: str
+    cores: int
+
+
 def localize_checkpoint(request: LoadRequest, dist: DistWrapper) -> Path:
     """Step 1."""
     if is_url(request.checkpoint_dir):  # downloaded (once per machine) in a step whose failure all ranks share
@@ -139,18 +151,19 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
     """Step 2 (collective: a failure on any rank is raised on every rank).
 
     With the access check (or a ``*_ALL`` strict mode), each rank's request goes to the
-    coordinator alone, which opens the checkpoint first, checks every request, and sends each
-    rank the verdict, its part of the index and the checksums of the files that part names
-    (``_answer_ranks``); then every rank opens it. No rank receives or reads every rank's
-    entries (``determine_global_metadata`` gives every rank every rank's list: N^2 in all)."""
+    coordinator alone, which checks every request and sends each rank the verdict and, for
+    ranks that share their cores (``wants_index_part``), their part of the index and the
+    checksums of the files it names, read once (``_answer_ranks``); then every rank opens the
+    checkpoint. No rank receives every rank's request (``determine_global_metadata`` gives every
+    rank every rank's list: N^2 in all), and a rank with a part reads no other rank's entries."""
     if not request.needs_global_metadata:
         return dist.all_run(lambda: _open(request, directory, _split(request)))
     splits: List[_SplitRequest] = []
 
-    def describe() -> Tuple[ShardingSummary, RequestedRegions]:
+    def describe() -> _RankRequest:
         splits.append(_split(request))
         items = splits[0].local_metadata or []
-        return summarize_sharding(items), requested_regions(items)
+        return _RankRequest(summarize_sharding(items), requested_regions(items), socket.gethostname(), _cores())
 
     answer: _CoordinatorAnswer = dist.reduce_scatter(
         describe, lambda everyone: _answer_ranks(request, directory, everyone))
@@ -164,26 +177,35 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
     return replace(opened, requested_keys=keys, index_part=answer.index_part, manifest_part=answer.manifest_part)
 
 
-def cuts_index(world_size: int) -> bool:
-    """Whether the coordinator cuts each rank's part of the index (decided on the coordinator).
-
-    When every rank has a core of its own, all reading the whole index at once costs one
-    reading's wall time, which the coordinator's reading plus cutting would exceed. When ranks
-    outnumber this machine's cores, their readings queue up: 8 ranks on 2 cores spent 36 ms
-    each on an index of 8,000 chunks (~145 ms of wall time), which one reading and cutting
-    replace (and a job of many nodes outnumbers any node's cores: its index is read once
-    instead of once per rank, and no rank holds every rank's entries in memory)."""
-    return world_size > (os.cpu_count() or 1)
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
-def _answer_ranks(request: LoadRequest, directory: Path, everyone: List[Tuple[ShardingSummary, RequestedRegions]]
-                  ) -> List[_CoordinatorAnswer]:
+def wants_index_part(hosts: Sequence[Tuple[str, int]]) -> List[bool]:
+    """For each rank (its host name, its cores): whether the coordinator cuts its part of the
+    index, which is when its host runs more ranks than it has cores.
+
+    A rank with a core of its own reads the index in parallel with the others: one reading's
+    wall time, less than the coordinator's reading and cutting for it (a GPT-175B-like job of
+    16,384 ranks has a 3.4 MiB index, which every rank reads in ~0.1 s, while cutting 16,384
+    ranks' parts on one core takes seconds: ``benchmarks/simulate_scale.py``). Ranks that share
+    cores queue their readings up instead: 8 ranks on 2 cores spent 36 ms each on an index of
+    8,000 chunks, which the coordinator's one reading and cutting replace."""
+    on_host = Counter(host for host, _ in hosts)
+    return [on_host[host] > cores for host, cores in hosts]
+
+
+def _answer_ranks(request: LoadRequest, directory: Path, everyone: List[_RankRequest]) -> List[_CoordinatorAnswer]:
     """On the coordinator: the access check of every rank's request, then each rank's answer."""
-    summaries = [summary for summary, _ in everyone]
+    summaries = [r.summary for r in everyone]
     keys = None
     if StrictHandling.requires_global_app_metadata(request.strict):
         keys = {sh.key for s in summaries for sh in s.main} | {key for s in summaries for key in s.replicas}
-    if not cuts_index(len(everyone)):
+    wanted = [i for i, want in enumerate(wants_index_part([(r.host, r.cores) for r in everyone])) if want]
+    if not wanted:
         if request.validate_access_integrity:
             validate_sharding_summaries(summaries, loading=True)
         return [_CoordinatorAnswer(True, keys)] * len(everyone)
@@ -196,14 +218,16 @@ def _answer_ranks(request: LoadRequest, directory: Path, everyone: List[Tuple[Sh
     if request.validate_access_integrity:
         validate_sharding_summaries(summaries, loading=True)
     try:
-        parts = sharded.index_parts(directory, [regions for _, regions in everyone])
+        cut = sharded.index_parts(directory, [everyone[i].regions for i in wanted])
     except CheckpointingException:  # a damaged index: each rank reads it and reports it
-        parts = None
-    if parts is None or len(parts) != len(everyone):
-        parts = [None] * len(everyone)
+        cut = None
+    parts: List[Optional[IndexPart]] = [None] * len(everyone)
+    if cut is not None and len(cut) == len(wanted):
+        for i, part in zip(wanted, cut):
+            parts[i] = part
     always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
-    return [_CoordinatorAnswer(True, keys, part, None if manifest is None else
-                               manifest.part(always_read | (part.files if part is not None else set())))
+    return [_CoordinatorAnswer(True, keys, part, None if manifest is None or part is None else
+                               manifest.part(always_read | part.files))
             for part in parts]
 
 

@@ -160,12 +160,14 @@ class _KeyIndex:
 
 class IndexCutter:
     """Cuts parts out of one checked ``Metadata``; a key's index is built once, when a request
-    first names it, and shared by every rank's request."""
+    first names it, and shared by every rank's request, and so are the chunks found for a
+    region (the data-parallel replicas of a model shard ask for the same ones)."""
 
     def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
         self.mcore_data = getattr(metadata, "mcore_data", None) or {}
         self._keys: Dict[str, _KeyIndex] = {}
+        self._found: Dict[RequestedRegion, List[ChunkStorageMetadata]] = {}  # data-parallel ranks repeat regions
         self._files: Dict[str, int] = {}
         self._properties: Dict[Tuple[Any, ...], int] = {}
         self._property_list: List[TensorProperties] = []
@@ -185,7 +187,10 @@ class IndexCutter:
         selected: Dict[str, Dict[int, ChunkStorageMetadata]] = {}
         for region in request.tensors:
             chunks = selected.setdefault(region.key, {})
-            for ch in self._key(region.key).meeting(region):
+            found = self._found.get(region)
+            if found is None:
+                found = self._found[region] = self._key(region.key).meeting(region)
+            for ch in found:
                 chunks[id(ch)] = ch
         file_numbers: Dict[int, int] = {}  # the coordinator's file number -> this part's
         files: List[str] = []
