@@ -23,7 +23,10 @@ check), ``coordinator_peak_bytes`` (resident memory above the start, sampled), `
 ``rank_recv_bytes`` (what an ordinary rank receives in the save's and the load's collectives),
 ``rank_send_bytes``, ``metadata_bytes`` (the ``.metadata`` every rank reads at load),
 ``cached_save_s`` (an ordinary rank's work in a repeated save of the same structure: the
-fingerprint; the comparison is one all-reduce of an int, no global planning).
+fingerprint; the comparison is one all-reduce of an int, no global planning),
+``coordinator_parts_s`` and ``rank_part_bytes`` / ``max_part_bytes`` (the load's coordinator
+cutting every rank's part of the index, as it does for ranks whose host has fewer cores than
+ranks, and the part an ordinary rank / the largest part receives).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -54,6 +59,8 @@ from dist_ckpt.strategies.dcp.plan import (  # noqa: E402
     plan_tensor_reads,
     reformulated_keys,
 )
+from dist_ckpt.sharding.regions import requested_regions  # noqa: E402
+from dist_ckpt.strategies.dcp.index_parts import IndexCutter  # noqa: E402
 from dist_ckpt.validation import summarize_sharding, validate_sharding_summaries  # noqa: E402
 from readme_tables import README, machine_description, markdown_table, replace_section  # noqa: E402
 from run import PeakRss  # noqa: E402
@@ -139,11 +146,26 @@ def _main(items: List[Any]) -> Tuple[List[ShardedTensor], List[ShardedObject]]:
     return tensors, objects
 
 
-def _rank_payloads(rank: int, world: int) -> Tuple[bytes, bytes]:
-    """What ``rank`` sends the coordinator in a save: its sharding summary (the sharding check;
-    the same at load) and its local save plan (the global plan)."""
+def _rank_payloads(rank: int, world: int) -> Tuple[bytes, bytes, bytes]:
+    """What ``rank`` sends the coordinator: its sharding summary (the sharding check, at save
+    and load), its local save plan (the global plan) and, at load, its requested regions (for
+    its part of the index, when its host runs more ranks than it has cores)."""
     items = rank_state(rank, world)
-    return pickle.dumps(summarize_sharding(items)), pickle.dumps(make_local_save_plan(*_main(items)))
+    return (pickle.dumps(summarize_sharding(items)), pickle.dumps(make_local_save_plan(*_main(items))),
+            pickle.dumps(requested_regions(items)))
+
+
+def _with_storage(metadata: Any, world: int) -> Any:
+    """The storage table a written checkpoint's ``.metadata`` has (none is written here): an
+    entry per chunk, in one of ``world`` files, so that the parts are as large as they would be."""
+    storage = {}
+    for key, md in metadata.state_dict_metadata.items():
+        chunks = getattr(md, "chunks", None)
+        for i, ch in enumerate(chunks if chunks is not None else [None]):
+            index = MetadataIndex(key, ch.offsets) if ch is not None else MetadataIndex(key)
+            storage[index] = _StorageInfo(f"__{i % world}_0.distcp", 1 << 30, 1 << 20)
+    metadata.storage_data = storage
+    return metadata
 
 
 def simulate(world: int) -> Dict[str, Any]:
@@ -151,7 +173,7 @@ def simulate(world: int) -> Dict[str, Any]:
         raise SystemExit(f"--ranks: each N must be a multiple of TP*PP = {MODEL_PARALLEL}")
     ordinary = MODEL_PARALLEL + 1 if world > MODEL_PARALLEL else 1  # a rank of the second DP group
     start = time.perf_counter()
-    shard_lists, local_plans = zip(*(_rank_payloads(r, world) for r in range(world)))
+    shard_lists, local_plans, regions = zip(*(_rank_payloads(r, world) for r in range(world)))
     built_s = time.perf_counter() - start
     gc.collect()
 
@@ -167,6 +189,13 @@ def simulate(world: int) -> Dict[str, Any]:
         start = time.perf_counter()
         validate_sharding_summaries([pickle.loads(b) for b in shard_lists], loading=True)
         coordinator_load_s = time.perf_counter() - start
+        # every rank's part of the index cut on the coordinator (what it does for ranks that
+        # share their cores; here for all N): unpickling .metadata, cutting, pickling each part
+        start = time.perf_counter()
+        cutter = IndexCutter(_with_storage(pickle.loads(metadata_bytes), world))
+        part_bytes = [len(pickle.dumps(cutter.part(pickle.loads(b)))) for b in regions]
+        coordinator_parts_s = time.perf_counter() - start
+        del cutter
     verdict = len(pickle.dumps((None, [])))  # (shared result, failures): what a broadcast verdict carries
 
     items = rank_state(ordinary, world)  # the model's work, not the checkpoint's
@@ -186,6 +215,9 @@ def simulate(world: int) -> Dict[str, Any]:
         "ranks": world,
         "coordinator_s": round(coordinator_s, 3),
         "coordinator_load_s": round(coordinator_load_s, 3),
+        "coordinator_parts_s": round(coordinator_parts_s, 3),
+        "rank_part_bytes": part_bytes[ordinary],
+        "max_part_bytes": max(part_bytes),
         "coordinator_peak_bytes": int(rss.extra_mib * 2**20),
         "rank_s": round(rank_s, 4),
         "rank_send_bytes": sent,
@@ -206,13 +238,14 @@ def main(argv: Any = None) -> None:
     sizes = [n for n in (64, 256, 1024, 4096, 16384, 65536) if n <= args.ranks]
     records = []
     print(f"{'ranks':>7}{'coord save s':>14}{'coord load s':>14}{'coord MiB':>11}{'rank s':>9}{'rank recv B':>13}"
-          f"{'.metadata MiB':>15}{'cached s':>10}")
+          f"{'.metadata MiB':>15}{'cached s':>10}{'parts s':>9}{'part KiB':>10}")
     for n in sizes:
         r = simulate(n)
         records.append(r)
         print(f"{n:>7}{r['coordinator_s']:>14.2f}{r['coordinator_load_s']:>14.2f}"
               f"{r['coordinator_peak_bytes'] / 2**20:>11.0f}{r['rank_s']:>9.3f}{r['rank_recv_bytes']:>13}"
-              f"{r['metadata_bytes'] / 2**20:>15.1f}{r['cached_save_s']:>10.4f}", flush=True)
+              f"{r['metadata_bytes'] / 2**20:>15.1f}{r['cached_save_s']:>10.4f}{r['coordinator_parts_s']:>9.2f}"
+              f"{r['rank_part_bytes'] / 2**10:>10.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     if args.readme:
@@ -223,13 +256,15 @@ def main(argv: Any = None) -> None:
 def _readme_lines(records: List[dict]) -> List[str]:
     rows = [[f"{r['ranks']:,}", f"{r['coordinator_s']:.2f}", f"{r['coordinator_load_s']:.2f}",
              f"{r['coordinator_peak_bytes'] / 2**20:.0f}", f"{r['rank_s']:.2f}", f"{r['rank_recv_bytes']:,}",
-             f"{r['metadata_bytes'] / 2**20:.1f}", f"{r['cached_save_s'] * 1e3:.1f}"] for r in records]
+             f"{r['metadata_bytes'] / 2**20:.1f}", f"{r['cached_save_s'] * 1e3:.1f}",
+             f"{r['coordinator_parts_s']:.2f}", f"{r['rank_part_bytes'] / 2**10:.1f}"] for r in records]
     head = [f"Generated by `python benchmarks/simulate_scale.py --ranks {records[-1]['ranks']} --readme` on "
             f"{machine_description(Path.cwd())}.", ""]
     return head + markdown_table(
         ["ranks", "coordinator: save planning (s)", "coordinator: load access check (s)", "coordinator memory (MiB)",
          "ordinary rank: planning (s)", "ordinary rank receives (bytes)", "`.metadata` (MiB)",
-         "repeated save, a rank's work (ms)"], rows, right=range(8))
+         "repeated save, a rank's work (ms)", "coordinator: every rank's index part (s)",
+         "a rank's index part (KiB)"], rows, right=range(10))
 
 
 if __name__ == "__main__":

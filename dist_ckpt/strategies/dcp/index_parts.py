@@ -252,7 +252,7 @@ class IndexCutter:
     def _storage(self, index: MetadataIndex) -> _Storage:
         """The storage entry of ``index`` with its file numbered; None if it has none (the
         rank's reader reports that, naming the item)."""
-        info = self.metadata.storage_data.get(index)
+        info = (self.metadata.storage_data or {}).get(index)
         if info is None:
             return None
         number = self._files.get(info.relative_path)
