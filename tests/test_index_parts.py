@@ -119,7 +119,8 @@ def test_a_ranks_part_of_the_index_is_its_own(saved):
         assert part.files >= read_files  # a flat range of a whole tensor may take whole fragments: a superset
         assert len(part.content.to_metadata().state_dict_metadata["rows.0"].chunks) == 2  # of 4: those in its half
     # flattened ranges that are the stored ones, and one inside a single stored range
-    flat = ShardedTensor.from_rank_offsets_flat("flat", torch.zeros(3), (4, 6), (0, 1, 2), flattened_range=slice(11, 14))
+    flat = ShardedTensor.from_rank_offsets_flat("flat", torch.zeros(3), (4, 6), (0, 1, 2),
+                                                flattened_range=slice(11, 14))
     part_md = cutter.part(requested_regions([flat])).content.to_metadata()
     assert len(part_md.state_dict_metadata["flat"].chunks) == 1
     assert _reads([flat], part_md) == _reads([flat], metadata)

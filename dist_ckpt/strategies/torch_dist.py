@@ -423,8 +423,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
-        if not isinstance(index_part.content, CompactIndex):
-            return self.load(sharded_state_dict, checkpoint_dir)
+        if not isinstance(index_part.content, CompactIndex) or type(self).load is not TorchDistLoadShardedStrategy.load:
+            return self.load(sharded_state_dict, checkpoint_dir)  # a subclass's own load is kept
         return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count),
                                  index_part.content.to_metadata())
 
