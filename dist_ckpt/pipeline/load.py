@@ -3,9 +3,10 @@
 1. ``localize``: a URL is copied once per machine into the local cache (every rank shares the
    failure); a path is taken as it is;
 2. ``open_checkpoint``: -> ``OpenedCheckpoint`` - on every rank, in one collective (two with
-   the access check, whose coordinator also sends each rank its part of the index): the
-   strategies (from ``metadata.json`` or the caller), the common state, the request split into
-   its sharded, nonpersistent and factory parts;
+   the access check, whose coordinator checks every rank's request; three when ranks share
+   their cores: the coordinator sends each of them its part of the index): the strategies
+   (from ``metadata.json`` or the caller), the common state, the request split into its
+   sharded, nonpersistent and factory parts;
 3. ``read``: the access check and strict handling (``validation``), then ShardedObjects (through
    the common strategy when the sharded one cannot read them) and tensors read by the strategy,
    and the result assembled in the request's structure, merged with the common state.
@@ -18,7 +19,7 @@ import socket
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from ..mapping import (
@@ -40,7 +41,6 @@ from ..strategies.base import IndexPart, LoadCommonStrategy, LoadShardedStrategy
 from ..validation import (
     ShardingSummary,
     StrictHandling,
-    check_requests_on_coordinator,
     summarize_sharding,
     validate_integrity_and_strict_load,
     validate_sharding_summaries,
@@ -100,24 +100,21 @@ class _SplitRequest:
 
 
 @dataclass(frozen=True)
-class _CoordinatorAnswer:
-    """What the coordinator sends one rank after the access check: the keys every rank asked
-    for (the ``*_ALL`` strict modes) and this rank's parts of the index and of the manifest.
-    ``checked`` is False when the coordinator could not open the checkpoint: every rank's own
-    opening then reports why, as before the coordinator opened it first."""
+class _Verdict:
+    """What the coordinator sends each rank after the access check: the keys every rank asked
+    for (the ``*_ALL`` strict modes), whether this rank gets its part of the index, and whether
+    any rank does (the same on every rank: all of them then take part in the cut's collective)."""
 
-    checked: bool
-    requested_keys: Optional[Set[str]] = None
-    index_part: Optional[IndexPart] = None
-    manifest_part: Optional[Manifest] = None
+    requested_keys: Optional[Set[str]]
+    wants_part: bool
+    any_part: bool
 
 
 class _RankRequest(NamedTuple):
-    """What each rank sends the coordinator: its request summarized for the access check, its
-    regions (for its part of the index), and the host it runs on with the cores it may use."""
+    """What each rank sends the coordinator first: its request summarized for the access check,
+    and the host it runs on with the cores it may use (which decides whether it gets a part)."""
 
     summary: ShardingSummary
-    regions: RequestedRegions
     host: str
     cores: int
 
@@ -151,30 +148,30 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
     """Step 2 (collective: a failure on any rank is raised on every rank).
 
     With the access check (or a ``*_ALL`` strict mode), each rank's request goes to the
-    coordinator alone, which checks every request and sends each rank the verdict and, for
-    ranks that share their cores (``wants_index_part``), their part of the index and the
-    checksums of the files it names, read once (``_answer_ranks``); then every rank opens the
-    checkpoint. No rank receives every rank's request (``determine_global_metadata`` gives every
-    rank every rank's list: N^2 in all), and a rank with a part reads no other rank's entries."""
+    coordinator alone, which checks every request and sends each rank the verdict
+    (``_check_requests``). Ranks that share their cores (``wants_index_part``) then send their
+    regions and receive their part of the index and the checksums of the files it names, read
+    once (``_cut_parts``). Then every rank opens the checkpoint. No rank receives every rank's
+    request (``determine_global_metadata`` gives every rank every rank's list: N^2 in all), and
+    a rank with a part reads no other rank's entries."""
     if not request.needs_global_metadata:
         return dist.all_run(lambda: _open(request, directory, _split(request)))
     splits: List[_SplitRequest] = []
 
     def describe() -> _RankRequest:
         splits.append(_split(request))
-        items = splits[0].local_metadata or []
-        return _RankRequest(summarize_sharding(items), requested_regions(items), socket.gethostname(), _cores())
+        return _RankRequest(summarize_sharding(splits[0].local_metadata or []), socket.gethostname(), _cores())
 
-    answer: _CoordinatorAnswer = dist.reduce_scatter(
-        describe, lambda everyone: _answer_ranks(request, directory, everyone))
-    with manifest_given(directory, answer.manifest_part):
+    verdict: _Verdict = dist.reduce_scatter(describe, lambda everyone: _check_requests(request, everyone))
+    parts: Tuple[Optional[IndexPart], Optional[Manifest]] = (None, None)
+    if verdict.any_part:  # only the ranks that get a part send their regions
+        parts = dist.reduce_scatter(
+            lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None,
+            lambda regions: _cut_parts(request, directory, regions))
+    index_part, manifest_part = parts
+    with manifest_given(directory, manifest_part):
         opened = dist.all_run(lambda: _open(request, directory, splits[0]))
-    keys = answer.requested_keys
-    if not answer.checked:  # the coordinator could not open it but every rank could: check now
-        keys = check_requests_on_coordinator(lambda: splits[0].local_metadata, request.validate_access_integrity,
-                                             share_keys=StrictHandling.requires_global_app_metadata(request.strict),
-                                             dist=dist)
-    return replace(opened, requested_keys=keys, index_part=answer.index_part, manifest_part=answer.manifest_part)
+    return replace(opened, requested_keys=verdict.requested_keys, index_part=index_part, manifest_part=manifest_part)
 
 
 def _cores() -> int:
@@ -198,37 +195,40 @@ def wants_index_part(hosts: Sequence[Tuple[str, int]]) -> List[bool]:
     return [on_host[host] > cores for host, cores in hosts]
 
 
-def _answer_ranks(request: LoadRequest, directory: Path, everyone: List[_RankRequest]) -> List[_CoordinatorAnswer]:
-    """On the coordinator: the access check of every rank's request, then each rank's answer."""
+def _check_requests(request: LoadRequest, everyone: List[_RankRequest]) -> List[_Verdict]:
+    """On the coordinator: the access check of every rank's request, and who gets a part."""
     summaries = [r.summary for r in everyone]
+    if request.validate_access_integrity:
+        validate_sharding_summaries(summaries, loading=True)
     keys = None
     if StrictHandling.requires_global_app_metadata(request.strict):
         keys = {sh.key for s in summaries for sh in s.main} | {key for s in summaries for key in s.replicas}
-    wanted = [i for i, want in enumerate(wants_index_part([(r.host, r.cores) for r in everyone])) if want]
-    if not wanted:
-        if request.validate_access_integrity:
-            validate_sharding_summaries(summaries, loading=True)
-        return [_CoordinatorAnswer(True, keys)] * len(everyone)
+    wants = wants_index_part([(r.host, r.cores) for r in everyone])
+    return [_Verdict(keys, want, any(wants)) for want in wants]
+
+
+def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[RequestedRegions]]
+               ) -> List[Tuple[Optional[IndexPart], Optional[Manifest]]]:
+    """On the coordinator: the part of the index and of the manifest of each rank that sent its
+    regions, from one reading of each. Whatever fails here (the checkpoint missing, a damaged
+    index) gives no parts: every rank then reads for itself and reports it in its own words."""
+    nothing: List[Tuple[Optional[IndexPart], Optional[Manifest]]] = [(None, None)] * len(regions)
+    wanted = [i for i, r in enumerate(regions) if r is not None]
     try:
         sharded, _ = verify_checkpoint_and_load_strategy(directory, request.sharded_strategy,
                                                          request.common_strategy)
         manifest = load_manifest(directory) if verification_enabled() else None
-    except CheckpointingException:  # every rank's own opening reports it
-        return [_CoordinatorAnswer(checked=False)] * len(everyone)
-    if request.validate_access_integrity:
-        validate_sharding_summaries(summaries, loading=True)
-    try:
-        cut = sharded.index_parts(directory, [everyone[i].regions for i in wanted])
-    except CheckpointingException:  # a damaged index: each rank reads it and reports it
-        cut = None
-    parts: List[Optional[IndexPart]] = [None] * len(everyone)
-    if cut is not None and len(cut) == len(wanted):
-        for i, part in zip(wanted, cut):
-            parts[i] = part
+        cut = sharded.index_parts(directory, [cast(RequestedRegions, regions[i]) for i in wanted])
+    except CheckpointingException:
+        return nothing
+    if cut is None or len(cut) != len(wanted):
+        return nothing
     always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
-    return [_CoordinatorAnswer(True, keys, part, None if manifest is None or part is None else
-                               manifest.part(always_read | part.files))
-            for part in parts]
+    answers = list(nothing)
+    for i, part in zip(wanted, cut):
+        if part is not None:
+            answers[i] = (part, None if manifest is None else manifest.part(always_read | part.files))
+    return answers
 
 
 def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:

@@ -15,9 +15,10 @@ Call order of a load (``dist_ckpt.load``), on every rank:
   3. ``LoadShardedStrategy.load_sharded_metadata(dir)`` if the strict mode needs it;
   4. ``LoadShardedStrategy.load(sharded_state_dict, dir)`` (and ``load_sharded_objects`` of
      the common strategy when the sharded one cannot handle objects).
-With the access check (the default), the load's coordinator first calls
-``LoadShardedStrategy.index_parts(dir, every rank's RequestedRegions)``; a strategy that returns
-parts there gets ``load_with_index_part(sharded_state_dict, dir, part)`` instead of ``load``.
+With the access check (the default), for ranks whose host runs more ranks than it has cores,
+the load's coordinator first calls ``LoadShardedStrategy.index_parts(dir, those ranks'
+RequestedRegions)``; a rank whose part it returns gets ``load_with_index_part(sharded_state_dict,
+dir, part)`` instead of ``load``.
 
 Contract for strategies that run collectives of their own (custom strategies read this):
   * ``dist_ckpt`` wraps ``SaveShardedStrategy.save`` (of a strategy that is not an
