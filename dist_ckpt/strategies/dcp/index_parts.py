@@ -2,12 +2,13 @@
 
 Why: ``.metadata`` lists every chunk of every rank that saved. When every rank of a load
 unpickles and checks all of it (as DCP and Megatron-Core do), each rank's load work grows with
-the number of ranks that saved: for 1,000 keys per rank on 8 ranks, 27 ms of a rank's ~170 ms
-went to a 1.1 MB ``.metadata``, and at 16,384 ranks every rank would read the whole index of the
-job. The load's access check already sends every rank's request to the coordinator, which reads
-the index once (checked whole, as before) and sends each rank only the keys, chunks and storage
+the number of ranks that saved: for 1,000 keys per rank on 8 ranks (on 2 cores), 27 ms of a
+rank's ~170 ms went to a 1.1 MB ``.metadata``. For ranks whose host runs more ranks than it has
+cores (``pipeline.load.wants_index_part``), the coordinator of the load's access check reads the
+index once (checked whole, as before) and sends each of them only the keys, chunks and storage
 entries its request meets. A rank then plans and reads exactly as from the whole index: the
-part is an ordinary ``Metadata``, and whatever the planner would reject in it, it still rejects.
+part becomes an ordinary ``Metadata``, and whatever the planner would reject in it, it still
+rejects.
 
 A request the coordinator cannot cut for (a key the checkpoint lacks or holds as another kind,
 a malformed reformulated key) gets no part: that rank reads the whole index and reports the
@@ -22,7 +23,6 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
