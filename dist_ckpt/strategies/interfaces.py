@@ -37,9 +37,9 @@ Contract for strategies that run collectives of their own (custom strategies rea
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from ..core import StrategyCompatibilityError

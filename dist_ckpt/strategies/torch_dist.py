@@ -7,8 +7,8 @@ Save call order (every rank):
   2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files
      (``dcp.files``: hashed while written, fsync per file), in the background if scheduled;
   3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
-Load reads ``.metadata`` through the safe unpickler (on the coordinator alone when the access
-check runs: each rank gets its part, ``index_parts``), plans which chunk regions land in which
+Load reads ``.metadata`` through the safe unpickler (for ranks that share their cores, once on
+the coordinator, which sends each its part: ``index_parts``), plans which chunk regions land in which
 destination views (``plan_tensor_reads``, which also checks sizes before anything is
 allocated), and reads them with bounds- and checksum-checked file access.
 """
@@ -423,8 +423,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
-        if not isinstance(index_part.content, CompactIndex) or type(self).load is not TorchDistLoadShardedStrategy.load:
-            return self.load(sharded_state_dict, checkpoint_dir)  # a subclass's own load is kept
+        if (not isinstance(index_part.content, CompactIndex) or self.storage_reader_factory is not None
+                or self.planner is not None or type(self).load is not TorchDistLoadShardedStrategy.load):
+            return self.load(sharded_state_dict, checkpoint_dir)  # this rank's reader, planner or own load
         return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count),
                                  index_part.content.to_metadata())
 
