@@ -268,7 +268,7 @@ class FileSystemWriterAsync(FileSystemWriter):
         results: List[WriteResult] = []
         for index in sorted(outcome):
             for entry in getattr(outcome[index], "entries", []):
-                recorder.add(entry.file, entry.offset, entry.length, entry.hash, entry.key)
+                recorder.add_entry(entry)
             results.extend(outcome[index])
         return results
 

@@ -242,7 +242,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             write_results, entries = request.async_result
             write_results, entries = write_results + staged.direct_results, entries + staged.direct_entries
             for e in entries:
-                recorder.add(e.file, e.offset, e.length, e.hash, e.key)
+                recorder.add_entry(e)
 
             def commit(all_results: List[List[Any]]) -> None:
                 write_dcp_metadata(checkpoint_dir, cast(Metadata, metadata), [r for rs in all_results for r in rs],

@@ -98,10 +98,10 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
                     tensor = tensor.cpu()
                 if not tensor.is_contiguous():
                     tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
-                write_tensor_record(stream.write, tensor, zip_crc32=zip_crc32)
+                write_tensor_record(stream.write, tensor, zip_crc32=zip_crc32, expect_data=stream.expect_data)
                 del tensor, data  # one tensor alive at a time (streamed saves depend on it)
             offset, length, digest = stream.finish_item()
-            recorder.add(name, offset, length, digest, item.index.fqn)
+            recorder.add(name, offset, length, digest, item.index.fqn, stream.last_blocks)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length)))
         raw.flush()

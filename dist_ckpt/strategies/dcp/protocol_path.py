@@ -99,7 +99,7 @@ def save_request_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_di
                 entries.append(read_back_file_entry(writer, checkpoint_id))
             recorder = recorder_for(checkpoint_dir)
             for e in entries:
-                recorder.add(e.file, e.offset, e.length, e.hash, e.key)
+                recorder.add_entry(e)
             note_written_at_destination(checkpoint_dir, {e.file for e in entries})
 
         dist.all_run(read_back)

@@ -23,7 +23,7 @@ import contextvars
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
 import numpy
 import torch
@@ -31,10 +31,12 @@ import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...core import CorruptCheckpointError
-from ...integrity.manifest import Manifest, ManifestEntry, check_digest, expected_entry
+from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, check_digest, expected_entry,
+                                   hash_bytes)
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
-__all__ = ["ItemGroup", "read_item_groups", "copy_region", "copy_in_this_thread", "READ_PIECE", "SMALL_BLOB"]
+__all__ = ["ItemGroup", "read_item_groups", "copy_region", "copy_in_this_thread", "needed_span", "READ_PIECE",
+           "SMALL_BLOB"]
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
 SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
@@ -287,6 +289,11 @@ class _GroupReader:
             rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
             if rows is None:
                 target = None  # not contiguous, rows short or not evenly strided: through the scratch buffer
+        if target is None and rows is None:
+            span = self._partial_span(group, stored, entry)
+            if span is not None:
+                self._read_partial(lane, fd, group, stored, entry, head, tail, span, what)
+                return
         if rows is not None:
             _read_rows(fd, rows, group.offset + stored.data_offset, path, hasher)
         elif target is not None:
@@ -301,6 +308,61 @@ class _GroupReader:
             self.planner.commit_tensor(group.items[0], target)
         else:
             self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+
+    @staticmethod
+    def _partial_span(group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
+                      ) -> Optional[Tuple[int, int]]:
+        """The bytes of the stored data to read when the group's items need only a part of it:
+        their span, widened to whole hashed blocks when the manifest checks the read (an entry
+        without block hashes is verified whole: None). None when the whole data is needed."""
+        if entry is not None and entry.blocks is None:
+            return None
+        span = needed_span(group.items, stored)
+        if span is None:
+            return None
+        start, end = span
+        if entry is not None:
+            block = cast(BlockHashes, entry.blocks).block_bytes
+            start, end = start - start % block, min(stored.nbytes, -(-end // block) * block)
+        return None if end - start >= stored.nbytes else (start, end)
+
+    def _read_partial(self, lane: _Lane, fd: int, group: ItemGroup, stored: StoredTensor,
+                      entry: Optional[ManifestEntry], head: bytes, tail: bytes, span: Tuple[int, int],
+                      what: str) -> None:
+        """Read only ``span`` of the stored data (into its place in a chunk-sized scratch
+        buffer, whose other pages are never touched), each block checked against its hash,
+        and the blob's bytes around the data (read already) against theirs; then scatter."""
+        path = self.root / group.file
+        start, end = span
+        buffer = lane.buffer(stored.nbytes)
+        view = tensor_bytes(buffer)
+        data_at = group.offset + stored.data_offset
+        if entry is None:
+            _read_into(fd, view[start:end], data_at + start, path, None)
+        else:
+            blocks = cast(BlockHashes, entry.blocks)
+            if (entry.length != group.length or blocks.data_start != stored.data_offset
+                    or blocks.data_length != stored.nbytes):
+                raise CorruptCheckpointError(
+                    f"{path}: {what} at bytes [{group.offset}, {group.offset + group.length}) does not have the "
+                    f"layout {MANIFEST_FNAME} recorded for it (its data at {stored.data_offset}, {stored.nbytes} "
+                    f"bytes); the file is damaged"
+                )
+            tail_start = group.length - len(tail)
+            segments = [(0, memoryview(head)[: stored.data_offset], blocks.hashes[0]),
+                        (stored.data_offset + stored.nbytes,
+                         memoryview(tail)[stored.data_offset + stored.nbytes - tail_start :], blocks.hashes[-1])]
+            for at, data, expected in segments:
+                if hash_bytes(data) != expected:
+                    _block_mismatch(path, what, group.offset + at, len(data))
+            size = blocks.block_bytes
+            for first in range(start, end, size):
+                piece = view[first : min(first + size, end)]
+                hasher = xxhash.xxh3_64()
+                _read_into(fd, piece, data_at + first, path, hasher)
+                if hasher.hexdigest() != blocks.hashes[1 + first // size]:
+                    _block_mismatch(path, what, data_at + first, len(piece))
+        self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
 
     def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
         """The destination itself, when the one read item takes the whole chunk into memory
@@ -325,6 +387,38 @@ class _GroupReader:
         source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
         for item in group.items:
             copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
+
+
+def _block_mismatch(path: Path, what: str, offset: int, length: int) -> None:
+    raise CorruptCheckpointError(
+        f"{path}: checksum mismatch for {what} at bytes [{offset}, {offset + length}) (a block of its "
+        f"{MANIFEST_FNAME} entry); the file is damaged"
+    )
+
+
+def needed_span(items: List[ReadItem], stored: StoredTensor) -> Optional[Tuple[int, int]]:
+    """Bytes ``[start, end)`` of the stored (row-major) data that hold every element the items'
+    regions take; None when an item does not fit the stored shape (the full read reports it)."""
+    shape = stored.shape
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    low, high = None, None
+    for item in items:
+        if len(item.storage_offsets) != len(shape):
+            return None
+        if any(o < 0 or n < 0 or o + n > size for o, n, size in zip(item.storage_offsets, item.lengths, shape)):
+            return None
+        if any(n == 0 for n in item.lengths):
+            continue
+        first = sum(o * st for o, st in zip(item.storage_offsets, strides))
+        last = sum((o + n - 1) * st for o, n, st in zip(item.storage_offsets, item.lengths, strides))
+        low = first if low is None else min(low, first)
+        high = last + 1 if high is None else max(high, last + 1)
+    if low is None or high is None:
+        return 0, 0
+    size = stored.dtype.itemsize
+    return low * size, high * size
 
 
 def copy_region(source: torch.Tensor, item: ReadItem, planner: LoadPlanner, what: str) -> None:

@@ -246,7 +246,8 @@ def _with_crc(template: bytes, at: int, crc: int) -> bytes:
 _ONE_WRITE = 64 << 10  # a blob up to this size goes to the stream as one bytes object
 
 
-def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True) -> None:
+def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True,
+                        expect_data: Optional[Callable[[int, int], None]] = None) -> None:
     """Write ``tensor`` (contiguous, CPU) as a ``torch.save`` blob through ``write``.
 
     The tensor's bytes are passed as memoryviews of its memory in pieces of ``WRITE_PIECE``
@@ -255,7 +256,9 @@ def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_c
     ``zip_crc32=False`` writes 0 as the CRC of large data records, as torch.save does with
     ``torch.serialization.set_crc32_options(False)``: torch >= 2.6 (and so every Megatron-Core
     that runs on it) loads such files, zip tools and older torch report a CRC error. The
-    dist_ckpt manifest's xxh3 covers the bytes either way."""
+    dist_ckpt manifest's xxh3 covers the bytes either way. ``expect_data(data_start, nbytes)``
+    is told, before the first write, where in the blob the tensor's bytes will lie (a hashing
+    stream hashes them in blocks: ``HashingWriter.expect_data``)."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError("write_tensor_record needs a contiguous CPU tensor")
     layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
@@ -263,6 +266,8 @@ def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_c
     crc = zlib.crc32(data) if zip_crc32 or len(data) < _ONE_WRITE else 0
     prefix = _with_crc(layout.prefix, layout.prefix_crc_at, crc)
     suffix = _with_crc(layout.suffix, layout.suffix_crc_at, crc)
+    if expect_data is not None:
+        expect_data(len(prefix), len(data))
     if len(data) <= _ONE_WRITE:
         write(b"".join((prefix, data, suffix)))
         return

@@ -1,0 +1,224 @@
+"""Reading a part of a stored chunk, verified block by block (manifest version 3).
+
+Issue 22: a resharding load whose rank needs half of a stored chunk read the whole chunk,
+because the manifest's checksum covered it whole (2 -> 4 ranks took 1.37x the same-layout
+load). A large tensor's entry now also hashes its data in ``BLOCK_BYTES`` blocks and the bytes
+around it, so a rank reads the blocks its part lies in and checks each. These tests check the
+hashes the writer records, that a resharded load reads only those blocks and gets every value
+bit-exactly, that a damaged block or header is refused, and that checkpoints without block
+hashes (older manifests, no manifest) load as before.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+
+import dist_ckpt
+from dist_ckpt import ShardedTensor
+from dist_ckpt.core import CorruptCheckpointError
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.integrity import manifest as manifest_module
+from dist_ckpt.integrity.manifest import BLOCK_BYTES, MANIFEST_FNAME, HashingWriter
+from dist_ckpt.strategies.dcp.record import write_tensor_record
+from dist_helpers import run_distributed
+
+ROWS, COLS = 4096, 1024  # a saving rank's chunk of "rows": 16 MiB of float32, 4 blocks
+SAVED_WORLD = 2
+CHUNK_BYTES = ROWS * COLS * 4
+
+
+def _full(key: str, shape) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(sum(map(ord, key)))
+    return torch.randn(shape, generator=gen)
+
+
+def _rows_request(rank: int, world: int, data: bool) -> dict:
+    rows = SAVED_WORLD * ROWS // world
+    full = _full("rows", (SAVED_WORLD * ROWS, COLS))
+    part = full[rank * rows:(rank + 1) * rows].clone() if data else torch.zeros(rows, COLS)
+    return {"rows": ShardedTensor.from_rank_offsets("rows", part, (0, rank, world))}
+
+
+def _save(rank: int, world: int, ckpt: str) -> bool:
+    dist_ckpt.save(_rows_request(rank, world, True), ckpt)
+    return True
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    ckpt = tmp_path_factory.mktemp("partial_reads") / "ckpt"
+    run_distributed(_save, SAVED_WORLD, str(ckpt))
+    return ckpt
+
+
+def _load_counting(rank: int, world: int, ckpt: str, verify: bool) -> dict:
+    """Load "rows" on ``world`` ranks; the data bytes this rank read, and whether all match."""
+    from dist_ckpt.strategies.dcp import read
+
+    counted = {"bytes": 0}
+    original = read._read_into
+
+    def counting(fd, view, offset, path, hasher):
+        counted["bytes"] += len(view)
+        return original(fd, view, offset, path, hasher)
+
+    read._read_into = counting
+    try:
+        loaded = dist_ckpt.load(_rows_request(rank, world, False), ckpt, verify_checksums=verify)
+    except CorruptCheckpointError as e:
+        return {"error": str(e), "bytes": counted["bytes"]}
+    expected = _rows_request(rank, world, True)["rows"].data
+    return {"ok": tensors_bitwise_equal(loaded["rows"], expected), "bytes": counted["bytes"]}
+
+
+def test_the_writer_records_block_hashes_of_large_tensors(saved):
+    """Each saving rank's 16 MiB chunk has an entry with block hashes that are the hashes of
+    its header, its 4 blocks and its trailer as they lie in the file; the manifest is version 3."""
+    content = json.loads((saved / MANIFEST_FNAME).read_bytes())
+    assert content["version"] == 3
+    blocked = [row for row in content["entries"] if len(row) == 6]
+    assert len(blocked) == SAVED_WORLD and {row[4] for row in blocked} == {"rows"}
+    for file, offset, length, digest, _, (data_start, data_length, block, hashes) in blocked:
+        raw = (saved / file).read_bytes()[offset:offset + length]
+        assert xxhash.xxh3_64_hexdigest(raw) == digest
+        assert (data_length, block, len(hashes)) == (CHUNK_BYTES, BLOCK_BYTES, 4 + 2)
+        segments = [raw[:data_start]] + [raw[data_start + i:data_start + i + block] for i in range(0, data_length, block)]
+        segments.append(raw[data_start + data_length:])
+        assert [xxhash.xxh3_64_hexdigest(s) for s in segments] == hashes
+
+
+def test_a_small_checkpoint_keeps_manifest_version_2(tmp_path):
+    """Without a tensor large enough for blocks, the manifest stays version 2, which dist_ckpt
+    versions before block hashes read."""
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1000))}, str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / MANIFEST_FNAME).read_bytes())["version"] == 2
+
+
+@pytest.mark.parametrize("pieces", [[1], [7, 64, 3], [64 * 5 + 13]])
+def test_hashing_writer_blocks_follow_positions_not_writes(monkeypatch, pieces):
+    """However the data arrives (one write, writes across block boundaries), the segments are
+    cut at the data's start, every block, and the data's end."""
+    monkeypatch.setattr(manifest_module, "BLOCK_BYTES", 64)
+    monkeypatch.setattr(manifest_module, "BLOCKED_MIN_BYTES", 128)
+    tensor = torch.arange(200, dtype=torch.float32)  # 800 bytes: 13 blocks of 64 (the last short)
+    raw = io.BytesIO()
+    writer = HashingWriter(raw)
+    writer.start_item()
+
+    def write(data):  # split every write of the record into the given piece sizes, in turn
+        view = memoryview(data).cast("B")
+        sizes = iter(pieces * (len(view) + 1))
+        while len(view):
+            n = next(sizes)
+            writer.write(view[:n])
+            view = view[n:]
+
+    write_tensor_record(write, tensor, expect_data=writer.expect_data)
+    offset, length, digest = writer.finish_item()
+    blocks = writer.last_blocks
+    blob = raw.getvalue()
+    assert (offset, length, digest) == (0, len(blob), xxhash.xxh3_64_hexdigest(blob))
+    assert blocks is not None and blocks.data_length == 800 and blocks.block_count() == 13
+    start = blocks.data_start
+    assert blob[start:start + 800] == tensor.numpy().tobytes()
+    cuts = [0, *range(start, start + 800, 64), start + 800, len(blob)]
+    assert list(blocks.hashes) == [xxhash.xxh3_64_hexdigest(blob[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+def test_malformed_block_hashes_are_refused(saved, tmp_path):
+    content = json.loads((saved / MANIFEST_FNAME).read_bytes())
+    row = next(r for r in content["entries"] if len(r) == 6)
+    for damage, why in ((lambda b: b[3].pop(), "a hash missing"),
+                        (lambda b: b[3].__setitem__(0, "xyz"), "not a hash"),
+                        (lambda b: b.__setitem__(1, b[1] + 10 ** 9), "data beyond the entry"),
+                        (lambda b: b.__setitem__(2, 0), "blocks of no bytes")):
+        bad = json.loads(json.dumps(content))
+        target = next(r for r in bad["entries"] if r[:2] == row[:2])
+        damage(target[5])
+        with pytest.raises(CorruptCheckpointError, match="malformed block hashes"):
+            manifest_module.parse_manifest(json.dumps(bad).encode(), why)
+    two = dict(content, version=2)
+    with pytest.raises(CorruptCheckpointError, match="malformed"):  # six fields in a version 2 manifest
+        manifest_module.parse_manifest(json.dumps(two).encode(), "v2")
+
+
+def test_a_resharded_load_reads_and_verifies_only_its_blocks(saved):
+    """4 ranks load the 2 ranks' chunks: each needs half of one chunk (2 of its 4 blocks) and
+    reads 8 MiB instead of 16, bit-exactly; unverified, the exact half. Same layout: whole."""
+    half = CHUNK_BYTES // 2
+    for verify in (True, False):
+        results = run_distributed(_load_counting, 4, str(saved), verify)
+        assert [r.get("ok") for r in results] == [True] * 4, results
+        assert [r["bytes"] for r in results] == [half] * 4
+    results = run_distributed(_load_counting, SAVED_WORLD, str(saved), True)
+    assert [(r.get("ok"), r["bytes"]) for r in results] == [(True, CHUNK_BYTES)] * SAVED_WORLD
+
+
+def _damaged_copy(saved: Path, target: Path, where: str) -> Path:
+    """A copy of the checkpoint with one byte flipped in the first chunk: in its second half's
+    data (read by the 4-rank load's rank 1 only), or in its zip header."""
+    import shutil
+
+    shutil.copytree(saved, target)
+    content = json.loads((target / MANIFEST_FNAME).read_bytes())
+    file, offset, _, _, _, (data_start, data_length, _, _) = min(
+        (r for r in content["entries"] if len(r) == 6), key=lambda r: (r[0], r[1]))
+    at = offset + (data_start + data_length * 3 // 4 if where == "data" else data_start // 2)
+    with open(target / file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return target
+
+
+def test_a_damaged_block_is_refused_by_the_rank_that_reads_it(saved, tmp_path):
+    """A flipped byte in the second half of saving rank 0's chunk: the 4-rank load's rank 1,
+    which reads that half, refuses it naming the file and the block's bytes (and every rank
+    raises it). The 2-rank load reads the chunk whole and refuses it too."""
+    damaged = _damaged_copy(saved, tmp_path / "damaged", "data")
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch for 'rows' at bytes \["):
+        run_distributed(_load_counting_strict, 4, str(damaged))
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch"):
+        run_distributed(_load_counting_strict, SAVED_WORLD, str(damaged))
+
+
+def _load_counting_strict(rank: int, world: int, ckpt: str) -> dict:
+    result = _load_counting(rank, world, ckpt, True)
+    if "error" in result:
+        raise CorruptCheckpointError(result["error"])
+    return result
+
+
+def test_a_damaged_header_is_refused_by_a_partial_read(saved, tmp_path):
+    """A flipped byte in the chunk's zip header, which a partial read takes from the blob's
+    first bytes (not from a data block): the load fails on every rank (ranks exchange their
+    errors), naming the file and the header's bytes."""
+    damaged = _damaged_copy(saved, tmp_path / "damaged_header", "header")
+    results = run_distributed(_load_counting, 4, str(damaged), True)
+    assert all("error" in r for r in results), results
+    assert all(r["error"] == results[0]["error"] for r in results), results
+    assert "__0_0.distcp: checksum mismatch for 'rows' at bytes [0, " in results[0]["error"], results
+
+
+def test_a_manifest_without_block_hashes_reads_chunks_whole(saved, tmp_path):
+    """A checkpoint whose manifest has no block hashes (version 2, as dist_ckpt wrote before)
+    loads resharded bit-exactly, each rank reading and verifying whole chunks."""
+    import shutil
+
+    old = tmp_path / "v2"
+    shutil.copytree(saved, old)
+    whole = manifest_module.parse_manifest((old / MANIFEST_FNAME).read_bytes(), "manifest")
+    entries = [e._replace(blocks=None) for es in whole.files.values() for e in es]
+    os.remove(old / MANIFEST_FNAME)
+    manifest_module.write_manifest(old, entries)
+    assert json.loads((old / MANIFEST_FNAME).read_bytes())["version"] == 2
+    results = run_distributed(_load_counting, 4, str(old), True)
+    assert [(r.get("ok"), r["bytes"]) for r in results] == [(True, CHUNK_BYTES)] * 4
