@@ -2,7 +2,7 @@
 
 Issue 22: a resharding load whose rank needs half of a stored chunk read the whole chunk,
 because the manifest's checksum covered it whole (2 -> 4 ranks took 1.37x the same-layout
-load). A large tensor's entry now also hashes its data in ``BLOCK_BYTES`` blocks and the bytes
+load). A large tensor's entry now also hashes its data in blocks (``block_bytes_for``) and the bytes
 around it, so a rank reads the blocks its part lies in and checks each. These tests check the
 hashes the writer records, that a resharded load reads only those blocks and gets every value
 bit-exactly, that a damaged block or header is refused, and that checkpoints without block
@@ -25,11 +25,11 @@ from dist_ckpt import ShardedTensor
 from dist_ckpt.core import CorruptCheckpointError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.integrity import manifest as manifest_module
-from dist_ckpt.integrity.manifest import BLOCK_BYTES, MANIFEST_FNAME, HashingWriter
+from dist_ckpt.integrity.manifest import MANIFEST_FNAME, HashingWriter, block_bytes_for
 from dist_ckpt.strategies.dcp.record import write_tensor_record
 from dist_helpers import run_distributed
 
-ROWS, COLS = 4096, 1024  # a saving rank's chunk of "rows": 16 MiB of float32, 4 blocks
+ROWS, COLS = 4096, 1024  # a saving rank's chunk of "rows": 16 MiB of float32, 16 blocks of 1 MiB
 SAVED_WORLD = 2
 CHUNK_BYTES = ROWS * COLS * 4
 
@@ -80,7 +80,7 @@ def _load_counting(rank: int, world: int, ckpt: str, verify: bool) -> dict:
 
 def test_the_writer_records_block_hashes_of_large_tensors(saved):
     """Each saving rank's 16 MiB chunk has an entry with block hashes that are the hashes of
-    its header, its 4 blocks and its trailer as they lie in the file; the manifest is version 3."""
+    its header, its 16 blocks and its trailer as they lie in the file; the manifest is version 3."""
     content = json.loads((saved / MANIFEST_FNAME).read_bytes())
     assert content["version"] == 3
     blocked = [row for row in content["entries"] if len(row) == 6]
@@ -88,9 +88,9 @@ def test_the_writer_records_block_hashes_of_large_tensors(saved):
     for file, offset, length, digest, _, (data_start, data_length, block, hashes) in blocked:
         raw = (saved / file).read_bytes()[offset:offset + length]
         assert xxhash.xxh3_64_hexdigest(raw) == digest
-        assert (data_length, block, len(hashes)) == (CHUNK_BYTES, BLOCK_BYTES, 4 + 2)
-        segments = [raw[:data_start]] + [raw[data_start + i:data_start + i + block] for i in range(0, data_length, block)]
-        segments.append(raw[data_start + data_length:])
+        assert (data_length, block, len(hashes)) == (CHUNK_BYTES, 1 << 20, 16 + 2)
+        cuts = [0, *range(data_start, data_start + data_length, block), data_start + data_length, length]
+        segments = [raw[a:b] for a, b in zip(cuts, cuts[1:])]
         assert [xxhash.xxh3_64_hexdigest(s) for s in segments] == hashes
 
 
@@ -105,8 +105,8 @@ def test_a_small_checkpoint_keeps_manifest_version_2(tmp_path):
 def test_hashing_writer_blocks_follow_positions_not_writes(monkeypatch, pieces):
     """However the data arrives (one write, writes across block boundaries), the segments are
     cut at the data's start, every block, and the data's end."""
-    monkeypatch.setattr(manifest_module, "BLOCK_BYTES", 64)
-    monkeypatch.setattr(manifest_module, "BLOCKED_MIN_BYTES", 128)
+    monkeypatch.setattr(manifest_module, "MIN_BLOCK_BYTES", 64)
+    monkeypatch.setattr(manifest_module, "MAX_BLOCKS", 1000)
     tensor = torch.arange(200, dtype=torch.float32)  # 800 bytes: 13 blocks of 64 (the last short)
     raw = io.BytesIO()
     writer = HashingWriter(raw)
@@ -132,6 +132,13 @@ def test_hashing_writer_blocks_follow_positions_not_writes(monkeypatch, pieces):
     assert list(blocks.hashes) == [xxhash.xxh3_64_hexdigest(blob[a:b]) for a, b in zip(cuts, cuts[1:])]
 
 
+def test_block_sizes_bound_the_waste_and_the_hashes():
+    """Chunks under 2 MiB are hashed whole; larger ones in blocks of 1 MiB or more (a power of
+    two), at most 32: a 2 MiB chunk's halves are a block each, a 1 GiB chunk has 32 MiB blocks."""
+    assert block_bytes_for((2 << 20) - 1) is None
+    assert [block_bytes_for(n << 20) for n in (2, 16, 32, 33, 1024)] == [1 << 20, 1 << 20, 1 << 20, 2 << 20, 32 << 20]
+
+
 def test_malformed_block_hashes_are_refused(saved, tmp_path):
     content = json.loads((saved / MANIFEST_FNAME).read_bytes())
     row = next(r for r in content["entries"] if len(r) == 6)
@@ -150,7 +157,7 @@ def test_malformed_block_hashes_are_refused(saved, tmp_path):
 
 
 def test_a_resharded_load_reads_and_verifies_only_its_blocks(saved):
-    """4 ranks load the 2 ranks' chunks: each needs half of one chunk (2 of its 4 blocks) and
+    """4 ranks load the 2 ranks' chunks: each needs half of one chunk (8 of its 16 blocks) and
     reads 8 MiB instead of 16, bit-exactly; unverified, the exact half. Same layout: whole."""
     half = CHUNK_BYTES // 2
     for verify in (True, False):

@@ -10,7 +10,7 @@ Readers check each byte range they read against the manifest (``verify_bytes``),
 ``load(..., verify_checksums=False)``. Checkpoints without a manifest (Megatron-Core's, older
 ones) load with the check skipped and logged.
 
-A large tensor's entry also hashes its data in blocks of ``BLOCK_BYTES`` (``BlockHashes``,
+A large tensor's entry also hashes its data in blocks (``BlockHashes``, ``block_bytes_for``;
 manifest version 3): a resharding load that needs a part of a stored chunk reads and verifies
 the blocks that part lies in instead of the whole chunk (loading 2 ranks' chunks on 4 ranks
 read every chunk twice whole: 1.37x the same-layout load).
@@ -40,7 +40,7 @@ __all__ = [
     "HASH_ALGORITHM",
     "ManifestEntry",
     "BlockHashes",
-    "BLOCK_BYTES",
+    "block_bytes_for",
     "Manifest",
     "Recorder",
     "HashingWriter",
@@ -83,8 +83,20 @@ def new_hasher() -> "xxhash.xxh3_64":
     return xxhash.xxh3_64()
 
 
-BLOCK_BYTES = 4 << 20  # a tensor's data is hashed in blocks of this size...
-BLOCKED_MIN_BYTES = 2 * BLOCK_BYTES  # ...when it has at least this many bytes (a smaller one is read whole)
+MIN_BLOCK_BYTES = 1 << 20  # a tensor's data of at least 2 such blocks is hashed in blocks too...
+MAX_BLOCKS = 32  # ...of a power of two in size, at most this many per item
+
+
+def block_bytes_for(nbytes: int) -> Optional[int]:
+    """The block size ``nbytes`` of tensor data are hashed in; None: hashed whole only (a
+    reader reads it whole). A partial read costs at most 2 blocks more than it needs (1/16 of
+    the chunk); an item adds at most 34 hashes to the manifest."""
+    if nbytes < 2 * MIN_BLOCK_BYTES:
+        return None
+    block = MIN_BLOCK_BYTES
+    while block * MAX_BLOCKS < nbytes:
+        block *= 2
+    return block
 
 
 class BlockHashes(NamedTuple):
@@ -178,8 +190,9 @@ class HashingWriter:
     def expect_data(self, data_start: int, nbytes: int) -> None:
         """Before the item's first write: its bytes ``[data_start, data_start + nbytes)`` are
         a tensor's data, hashed in blocks too if large."""
-        if nbytes >= BLOCKED_MIN_BYTES and self._pos == self._start:
-            self._blocks = _BlockHasher(data_start, nbytes)
+        block = block_bytes_for(nbytes)
+        if block is not None and self._pos == self._start:
+            self._blocks = _BlockHasher(data_start, nbytes, block)
 
     def finish_item(self) -> Tuple[int, int, str]:
         if self._blocks is not None:
@@ -192,8 +205,8 @@ class _BlockHasher:
     """The segments of one item (``BlockHashes``) as its bytes pass, cut by position: the head
     (``data_start`` bytes), the data's blocks, the tail (whatever follows the data)."""
 
-    def __init__(self, data_start: int, data_length: int) -> None:
-        self.data_start, self.data_length = data_start, data_length
+    def __init__(self, data_start: int, data_length: int, block_bytes: int) -> None:
+        self.data_start, self.data_length, self.block_bytes = data_start, data_length, block_bytes
         self._segment = new_hasher()
         self._hashes: List[str] = []
         self._pos = 0  # bytes of the item seen
@@ -204,7 +217,7 @@ class _BlockHasher:
         if self._pos < self.data_start:
             return self.data_start
         if self._pos < self._data_end:
-            return min(self._data_end, self._pos + BLOCK_BYTES - (self._pos - self.data_start) % BLOCK_BYTES)
+            return min(self._data_end, self._pos + self.block_bytes - (self._pos - self.data_start) % self.block_bytes)
         return None
 
     def update(self, view: memoryview, item_hasher: Any) -> None:
@@ -223,7 +236,8 @@ class _BlockHasher:
         """The item's block hashes; None if it ended before its data did (not a blocked item)."""
         if self._pos < self._data_end:
             return None
-        return BlockHashes(self.data_start, self.data_length, BLOCK_BYTES, (*self._hashes, self._segment.hexdigest()))
+        return BlockHashes(self.data_start, self.data_length, self.block_bytes,
+                           (*self._hashes, self._segment.hexdigest()))
 
 
 class Recorder:
