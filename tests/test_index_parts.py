@@ -246,3 +246,45 @@ def test_a_checkpoint_replaced_after_the_cut_is_not_mixed(saved):
     for message in run_distributed(_replaced_after_the_cut, WORLD, str(saved), True):
         assert isinstance(message, str) and "checksum mismatch" in message, message
     assert run_distributed(_replaced_after_the_cut, WORLD, str(saved), False) == [True] * WORLD
+
+
+STALL_PG_TIMEOUT = 8  # seconds: the ranks' collective timeout in the stalled-coordinator case
+
+
+def _load_with_a_stalled_cut(rank: int, world: int, root: str) -> tuple:
+    """The coordinator stalls while cutting the parts (longer than the collective timeout)."""
+    import time
+
+    import dist_ckpt.pipeline.load as load_pipeline
+
+    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    if rank == 0:
+        original = load_pipeline._cut_parts
+
+        def stalled(*args, **kwargs):
+            time.sleep(STALL_PG_TIMEOUT * 3)  # alive, but the other ranks wait for the parts
+            return original(*args, **kwargs)
+
+        load_pipeline._cut_parts = stalled
+    start = time.monotonic()
+    try:
+        dist_ckpt.load(_request(rank, WORLD, False), f"{root}/ckpt")
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "ok", "", time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_coordinator_stalled_while_cutting_fails_every_rank_within_the_timeout(saved):
+    """A coordinator that stalls while cutting the parts (a slow file system, a paused process):
+    the ranks waiting for their parts fail with our error once the collective timeout passes,
+    and the coordinator fails when it gets to the collective; no rank hangs, none loads."""
+    from dist_ckpt.runtime.launch import run_processes
+
+    outcomes = run_processes(_load_with_a_stalled_cut, WORLD, str(saved), collective_timeout_s=STALL_PG_TIMEOUT,
+                             deadline_s=90)
+    assert all(o.exitcode == 0 for o in outcomes), outcomes  # every rank returned: none hung
+    assert all(o.result[0] == "CheckpointingException" for o in outcomes), outcomes
+    assert all("collective" in o.result[1] for o in outcomes), outcomes
+    waiting = [o.result[2] for o in outcomes[1:]]
+    assert all(STALL_PG_TIMEOUT - 1 <= s < STALL_PG_TIMEOUT * 3 for s in waiting), waiting
