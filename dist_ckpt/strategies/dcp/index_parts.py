@@ -32,10 +32,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ...core import CorruptCheckpointError
 from ...sharding.geometry import Box, intersect
 from ...sharding.regions import RequestedRegion, RequestedRegions
 from ..interfaces import IndexPart
-from .plan import REFORMULATED_SHAPE_KEY
+from .plan import REFORMULATED_SHAPE_KEY, reformulated_local_shape
 
 __all__ = ["IndexCutter", "CompactIndex"]
 
@@ -107,11 +108,11 @@ class _KeyIndex:
             self.starts = [c.offsets[0] if size else 0 for c in self.rows]
             self.tallest = max((c.sizes[0] for c in self.rows if size), default=0)
             return
-        fragm = size[:-1]
-        if len(fragm) != len(orig) or any(f <= 0 or g % f for g, f in zip(orig, fragm)):
-            raise _CannotCut(key)
-        self.local = tuple(g // f for g, f in zip(orig, fragm))
-        self.grid = fragm
+        try:
+            self.local = reformulated_local_shape(key, size, tuple(orig))
+        except CorruptCheckpointError:
+            raise _CannotCut(key) from None  # the rank's planner reports it
+        self.grid = size[:-1]
         by_fragment: Dict[Tuple[int, ...], List[ChunkStorageMetadata]] = {}
         for ch in md.chunks:
             if len(ch.offsets) != len(size) or len(ch.sizes) != len(size) or any(s != 1 for s in ch.sizes[:-1]):

@@ -55,6 +55,7 @@ __all__ = [
     "make_global_metadata",
     "StoredChunk",
     "stored_tensor_catalog",
+    "reformulated_local_shape",
     "stored_global_shape",
     "ReadTask",
     "plan_tensor_reads",
@@ -247,6 +248,20 @@ def stored_global_shape(key: str, md: TensorStorageMetadata, mcore_data: dict) -
     return tuple(orig) if orig is not None else tuple(md.size)
 
 
+def reformulated_local_shape(key: str, size: Tuple[int, ...], orig: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The shape of each fragment of a key stored reformulated: its stored ``size`` is
+    ``axis_fragmentations + (prod(local shape),)`` of the ``orig``inal global shape. A size that
+    does not fit ``orig`` is a ``CorruptCheckpointError`` (the load planner's and the index
+    cutter's check alike)."""
+    fragm, flat_len = size[:-1], size[-1] if size else 0
+    if not size or len(fragm) != len(orig) or any(f <= 0 or g % f for g, f in zip(orig, fragm)):
+        raise CorruptCheckpointError(f"'{key}': reformulated size {size} does not fit original shape {orig}")
+    local = tuple(g // f for g, f in zip(orig, fragm))
+    if math.prod(local) != flat_len:
+        raise CorruptCheckpointError(f"'{key}': reformulated size {size} does not fit original shape {orig}")
+    return local
+
+
 def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict, near: Optional[Box] = None
                           ) -> List[StoredChunk]:
     """The chunks of ``key`` in original global coordinates (undoing the reformulation).
@@ -269,13 +284,7 @@ def stored_tensor_catalog(key: str, md: TensorStorageMetadata, mcore_data: dict,
                 raise CorruptCheckpointError(f"'{key}': stored chunk {box} lies outside its global size {size}")
             chunks.append(StoredChunk(MetadataIndex(key, ch.offsets), tuple(ch.sizes), Piece(box)))
         return chunks
-    orig = tuple(orig)
-    fragm, flat_len = size[:-1], size[-1]
-    if len(fragm) != len(orig) or any(f <= 0 or g % f for g, f in zip(orig, fragm)):
-        raise CorruptCheckpointError(f"'{key}': reformulated size {size} does not fit original shape {orig}")
-    local = tuple(g // f for g, f in zip(orig, fragm))
-    if math.prod(local) != flat_len:
-        raise CorruptCheckpointError(f"'{key}': reformulated size {size} does not fit original shape {orig}")
+    local = reformulated_local_shape(key, size, tuple(orig))
     for ch in md.chunks:
         offsets, sizes = tuple(ch.offsets), tuple(ch.sizes)
         if not Box(offsets, sizes).within(size) or any(s != 1 for s in sizes[:-1]):
