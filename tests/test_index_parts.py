@@ -25,7 +25,7 @@ from dist_ckpt.dict_utils import nested_values, tensors_bitwise_equal
 from dist_ckpt.integrity import manifest as manifest_module
 from dist_ckpt.sharding.regions import requested_regions
 from dist_ckpt.strategies.dcp.index_parts import IndexCutter
-from dist_ckpt.strategies.dcp.plan import plan_tensor_reads
+from dist_ckpt.strategies.dcp.plan import REFORMULATED_SHAPE_KEY, plan_tensor_reads
 from dist_ckpt.strategies.torch_dist import read_dcp_metadata
 from dist_helpers import run_distributed
 
@@ -135,6 +135,24 @@ def test_a_request_the_coordinator_cannot_cut_for_gets_the_whole_index(saved):
     assert cutter.part(requested_regions([ShardedTensor.from_rank_offsets("obj/shard_0_4", torch.zeros(1))])) is None
     assert cutter.part(requested_regions([ShardedObject("rows.0", None, (1,), (0,))])) is None
     assert cutter.part(requested_regions([ShardedObject("obj", None, (4,), (3,))])) is not None
+
+
+@pytest.mark.parametrize("size", [(3, 1, 24), (2, 1, 20), (2, 24)])
+def test_a_reformulated_key_that_does_not_fit_its_shape_is_refused_by_planner_and_cutter(saved, size):
+    """A flattened key whose stored size does not fit the original shape (8, 6) recorded for it
+    (rows not divisible by the fragments, fragments of another size, another number of axes):
+    the planner refuses it naming the key, and the cutter gives no part (the rank's planner
+    then reports it)."""
+    import copy
+
+    metadata = copy.deepcopy(read_dcp_metadata(saved / "ckpt"))
+    assert metadata.mcore_data["flat"][REFORMULATED_SHAPE_KEY] == FLAT_SHAPE
+    metadata.state_dict_metadata["flat"].size = torch.Size(size)
+    flat = ShardedTensor.from_rank_offsets_flat("flat", torch.zeros(10), (4, 6), (0, 0, 2),
+                                                flattened_range=slice(0, 10))
+    with pytest.raises(CorruptCheckpointError, match=r"'flat': reformulated size .* does not fit original shape"):
+        plan_tensor_reads([flat], metadata)
+    assert IndexCutter(metadata).part(requested_regions([flat])) is None
 
 
 def test_a_partial_manifest_defers_to_the_whole_one(saved):
