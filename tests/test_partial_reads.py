@@ -1,8 +1,8 @@
 """Reading a part of a stored chunk, verified block by block (manifest version 3).
 
 Issue 22: a resharding load whose rank needs half of a stored chunk read the whole chunk,
-because the manifest's checksum covered it whole (2 -> 4 ranks took 1.37x the same-layout
-load). A large tensor's entry now also hashes its data in blocks (``block_bytes_for``) and the bytes
+because the manifest's checksum covered it whole (2 -> 4 ranks: 540 MiB read per rank for the
+270 it needed). A large tensor's entry now also hashes its data in blocks (``block_bytes_for``) and the bytes
 around it, so a rank reads the blocks its part lies in and checks each. These tests check the
 hashes the writer records, that a resharded load reads only those blocks and gets every value
 bit-exactly, that a damaged block or header is refused, and that checkpoints without block

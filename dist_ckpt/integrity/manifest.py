@@ -12,8 +12,9 @@ ones) load with the check skipped and logged.
 
 A large tensor's entry also hashes its data in blocks (``BlockHashes``, ``block_bytes_for``;
 manifest version 3): a resharding load that needs a part of a stored chunk reads and verifies
-the blocks that part lies in instead of the whole chunk (loading 2 ranks' chunks on 4 ranks
-read every chunk twice whole: 1.37x the same-layout load).
+the blocks that part lies in instead of the whole chunk (loading 2 ranks' chunks on 4 ranks,
+each rank read 540 MiB for the 270 it needed; now 432, the rest being column halves, which
+span every row of their chunk).
 """
 
 from __future__ import annotations
