@@ -403,6 +403,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    def _reads_directly(self) -> bool:
+        """Whether a load runs the direct reader (the only one that can use an index part): not
+        through a user's reader or planner, and not a subclass's own ``load``."""
+        return (self.storage_reader_factory is None and self.planner is None
+                and type(self).load is TorchDistLoadShardedStrategy.load)
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         if self.storage_reader_factory is not None or self.planner is not None:
             return load_through_dcp(sharded_state_dict, Path(checkpoint_dir), self.storage_reader_factory,
@@ -415,16 +421,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Each rank's part of ``.metadata`` (``dcp.index_parts``), from one checked reading of
         it. None when the load goes through a user's reader or planner (DCP's protocol reads the
         index itself), or a subclass loads its own way."""
-        if (self.storage_reader_factory is not None or self.planner is not None
-                or type(self).load is not TorchDistLoadShardedStrategy.load):
+        if not self._reads_directly():
             return None
         cutter = IndexCutter(read_dcp_metadata(Path(checkpoint_dir)))
         return [cutter.part(request) for request in requests]
 
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
-        if (not isinstance(index_part.content, CompactIndex) or self.storage_reader_factory is not None
-                or self.planner is not None or type(self).load is not TorchDistLoadShardedStrategy.load):
+        if not isinstance(index_part.content, CompactIndex) or not self._reads_directly():
             return self.load(sharded_state_dict, checkpoint_dir)  # this rank's reader, planner or own load
         return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count),
                                  index_part.content.to_metadata())
