@@ -311,6 +311,111 @@ def test_sigkill_of_a_background_writer_process(tmp_path, kill_rank):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the failed save cleaned up
 
 
+def _async_save_with_a_hung_writer(rank, world, ckpt, fail_rank, blocking):
+    """``fail_rank``'s writer process is SIGKILLed mid-file; every other rank's writer hangs in
+    its write. Returns the error, and whether this rank's writer process is gone afterwards."""
+    import time
+
+    import dist_ckpt.integrity.manifest as integrity_mod
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    parent = os.getpid()
+    original = integrity_mod.HashingWriter.write
+
+    def write(self, data):
+        if os.getpid() != parent:  # only in the forked background writer
+            if rank == fail_rank:
+                _die()
+            time.sleep(3600)  # hung: only being stopped ends it
+        return original(self, data)
+
+    integrity_mod.HashingWriter.write = write
+    request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
+                             sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
+    queue = dist_ckpt.AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    writer = queue._persistent_caller.pid
+    try:
+        if blocking:
+            queue.maybe_finalize_async_calls(blocking=True)
+        else:
+            for _ in range(1200):  # a training loop that polls every step (60 s at most)
+                queue.maybe_finalize_async_calls(blocking=False)
+                time.sleep(0.05)
+        return "not raised"
+    except Exception as e:  # noqa: BLE001
+        try:
+            os.kill(writer, 0)
+            gone = False
+        except ProcessLookupError:
+            gone = True
+        return type(e).__name__, str(e), gone
+
+
+@pytest.mark.parametrize("fail_rank,blocking", [(0, True), (1, True), (1, False)])
+def test_a_writer_that_fails_ends_the_wait_for_a_peer_writer_that_hangs(tmp_path, fail_rank, blocking):
+    """Before, a rank waited for its own writer until ``timeout_s`` (an hour) although a peer's
+    had already failed; now the ranks ask each other while they wait, the hung writer is
+    stopped, and every rank raises the failed rank's error, not "stopped"."""
+    ckpt = str(tmp_path / "ckpt")
+    assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
+    outcomes = run_processes(_async_save_with_a_hung_writer, 2, ckpt, fail_rank, blocking,
+                             collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes
+    assert outcomes[0].result == outcomes[1].result, outcomes
+    kind, message, writer_gone = outcomes[0].result
+    assert kind == "CheckpointingException"
+    assert "background checkpoint writer" in message and "SIGKILL" in message, message
+    assert writer_gone  # the hung writer process was stopped, not left writing into a removed save
+    _assert_holds(ckpt, 2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _async_thread_save_with_a_slow_peer(rank, world, ckpt):
+    """Rank 0's writer thread fails; rank 1's is slow (2 s) and cannot be stopped."""
+    import threading
+    import time
+
+    import dist_ckpt.integrity.manifest as integrity_mod
+
+    original = integrity_mod.HashingWriter.write
+    finished = []
+
+    def write(self, data):
+        if threading.current_thread() is not threading.main_thread():
+            if rank == 0:
+                raise OSError(errno.EIO, "injected write error")
+            if not finished:
+                time.sleep(2.0)
+                finished.append(time.monotonic())
+        return original(self, data)
+
+    integrity_mod.HashingWriter.write = write
+    request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True)
+    queue = dist_ckpt.AsyncCallsQueue(persistent=False)
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        return "not raised"
+    except Exception as e:  # noqa: BLE001
+        raised = time.monotonic()
+        return type(e).__name__, "injected write error" in str(e), bool(finished) and finished[0] <= raised
+
+
+def test_a_writer_thread_that_fails_waits_for_a_peer_thread_that_cannot_be_stopped(tmp_path):
+    """A thread cannot be stopped: the other ranks wait for it to end before the save is
+    removed, then all raise the failed rank's error."""
+    ckpt = str(tmp_path / "ckpt")
+    assert [o.result for o in run_processes(_save_v1, 2, ckpt)] == ["ok", "ok"]
+    outcomes = run_processes(_async_thread_save_with_a_slow_peer, 2, ckpt,
+                             collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes
+    assert outcomes[0].result[:2] == outcomes[1].result[:2] == ("CheckpointingException", True), outcomes
+    assert outcomes[1].result[2]  # rank 1's slow write had ended before it raised
+    _assert_holds(ckpt, 2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
 def _zarr_save(rank, world, ckpt, version, kill_rank):
     import dist_ckpt.strategies.zarr as zarr_mod
 

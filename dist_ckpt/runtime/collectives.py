@@ -188,6 +188,15 @@ class DistWrapper:
         self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
         return int(t.item())
 
+    def all_reduce_max(self, values: Sequence[int]) -> List[int]:
+        """Element-wise maximum of a few integers over the group, in one all-reduce (e.g. "is
+        any rank still writing?" and "has any rank failed?" at once)."""
+        if not self.use_dist:
+            return list(values)
+        t = to_collective_device(torch.tensor(list(values), dtype=torch.int64), self.group)
+        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        return [int(v) for v in t.tolist()]
+
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 

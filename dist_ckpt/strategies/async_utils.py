@@ -11,7 +11,12 @@ Call order of an asynchronous save:
   3. every rank calls ``maybe_finalize_async_calls(blocking=...)`` now and then (e.g. each
      training step). Ranks agree (one all-reduce) on which requests finished everywhere;
      for those, the finalize functions run in order on every rank: they are collective,
-     exchange failures, and the last one commits the checkpoint (``metadata.json``);
+     exchange failures, and the last one commits the checkpoint (``metadata.json``). The same
+     all-reduce says whether the write failed on some rank: then the others stop waiting for
+     their own writes at once (a writer process is stopped; a thread, which cannot be, is
+     waited for), and every rank raises the failed rank's error. A blocking wait repeats that
+     all-reduce every ``AGREE_POLL_S``, so one rank's failure ends every rank's wait, even a
+     rank whose own writer hangs;
   4. ``close()`` finalizes whatever is left, blocking, and stops the writer process.
 
 A failure of the write on any rank - an exception (``BaseException`` included: torch's
@@ -49,9 +54,17 @@ __all__ = [
     "PersistentAsyncCaller",
     "AsyncCallsQueue",
     "DEFAULT_WRITE_TIMEOUT_S",
+    "AGREE_POLL_S",
+    "WriteStoppedForPeer",
 ]
 
 DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this is a failure
+AGREE_POLL_S = 0.2  # a blocking finalization asks the other ranks this often whether a write failed
+
+
+class WriteStoppedForPeer(CheckpointingException):
+    """This rank's write was stopped because the save had already failed on another rank. It is
+    never the error the ranks raise: the other rank's is (``AsyncRequest.finalize``)."""
 
 
 @dataclass
@@ -117,7 +130,7 @@ class AsyncRequest:
         error = self.async_error
 
         def check() -> None:
-            if error is not None:
+            if error is not None and not isinstance(error, WriteStoppedForPeer):
                 raise error
 
         try:
@@ -125,6 +138,8 @@ class AsyncRequest:
                 check()
             else:
                 (dist_wrapper or DistWrapper()).all_run(check)
+            if error is not None:  # stopped for a peer whose error all_run raised: never reached
+                raise error
             for fn in self.finalize_fns:
                 fn()
         except BaseException:
@@ -142,9 +157,10 @@ class AsyncRequest:
 class AsyncCaller(ABC):
     """Runs the write (``async_fn``) of scheduled requests away from the training loop.
 
-    Call order: 1. ``schedule_async_call(request)`` (main thread); 2. ``is_current_async_call_done
-    (request, blocking)`` until True - by then the request's ``async_result`` or ``async_error``
-    is set; 3. ``close()``. Local to this rank: the queue agrees with the other ranks.
+    Call order: 1. ``schedule_async_call(request)`` (main thread); 2. ``wait_for(request,
+    seconds)`` (or ``is_current_async_call_done(request, blocking)``) until True - by then the
+    request's ``async_result`` or ``async_error`` is set - or ``stop(request)`` when the save
+    failed elsewhere; 3. ``close()``. Local to this rank: the queue agrees with the other ranks.
     """
 
     def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
@@ -155,8 +171,18 @@ class AsyncCaller(ABC):
         """Start the request's write."""
 
     @abstractmethod
+    def wait_for(self, request: AsyncRequest, seconds: Optional[float]) -> bool:
+        """Wait at most ``seconds`` (None: as long as it takes) for the request's write; True
+        once it finished (well or not), died, or ran past ``timeout_s``."""
+
+    @abstractmethod
+    def stop(self, request: AsyncRequest) -> None:
+        """End the request's write now, without giving the request an error of its own (the
+        caller knows why); nothing of it writes after this returns."""
+
     def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
-        """True once the write finished (well or not), died, or ran past ``timeout_s``."""
+        """``wait_for`` without waiting, or until done (``blocking``)."""
+        return self.wait_for(request, None if blocking else 0.0)
 
     def close(self) -> None:
         """Release what the caller holds (threads end on their own)."""
@@ -178,13 +204,14 @@ class TemporalAsyncCaller(AsyncCaller):
         thread.start()
         self._threads[id(request)] = (thread, time.monotonic())
 
-    def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
+    def wait_for(self, request: AsyncRequest, seconds: Optional[float]) -> bool:
         entry = self._threads.get(id(request))
         if entry is None:
             return True
         thread, started = entry
-        if blocking:
-            thread.join(max(0.0, self.timeout_s - (time.monotonic() - started)))
+        left = self.timeout_s - (time.monotonic() - started)
+        if seconds is None or seconds > 0:
+            thread.join(max(0.0, left if seconds is None else min(seconds, left)))
         if thread.is_alive():
             if time.monotonic() - started < self.timeout_s:
                 return False
@@ -194,6 +221,11 @@ class TemporalAsyncCaller(AsyncCaller):
             )
         del self._threads[id(request)]
         return True
+
+    def stop(self, request: AsyncRequest) -> None:
+        """A thread cannot be stopped: it is waited for (``timeout_s`` bounds the wait), so that
+        it writes nothing into a save that is being removed."""
+        self.wait_for(request, None)
 
 
 WRITER_NICE = 19  # background writers yield the CPU to the training loop when both want it
@@ -326,11 +358,12 @@ class PersistentAsyncCaller(AsyncCaller):
             request.async_error = CheckpointingException(f"{reason}; the checkpoint was not committed")
         self._pending.clear()
 
-    def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
+    def wait_for(self, request: AsyncRequest, seconds: Optional[float]) -> bool:
         token = getattr(request, "_caller_token", None)
+        until = None if seconds is None else time.monotonic() + seconds
         while token in self._pending:
             _, started = self._pending[token]
-            self._collect(0.05 if blocking else 0.0)
+            self._collect(0.05 if until is None else min(0.05, max(0.0, until - time.monotonic())))
             if token not in self._pending:
                 break
             if not self._process.is_alive():
@@ -347,9 +380,24 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) did not finish "
                                    f"within {self.timeout_s:.0f} s (timeout_s) and was stopped")
                 break
-            if not blocking:
+            if until is not None and time.monotonic() >= until:
                 return False
         return True
+
+    def stop(self, request: AsyncRequest) -> None:
+        """Kill the writer process (a write cannot be interrupted otherwise, and it may be the
+        one that hangs); the writes queued behind this one fail, the next request starts a new
+        process."""
+        token = getattr(request, "_caller_token", None)
+        if token not in self._pending:
+            return
+        pid = self._process.pid
+        if self._process.is_alive():
+            self._process.kill()
+        self._process.join()
+        del self._pending[token]
+        self._fail_pending(f"the background checkpoint writer (pid {pid}) was stopped because an earlier save "
+                           f"failed on another rank")
 
     def close(self) -> None:
         if self._process is None:
@@ -427,9 +475,7 @@ class AsyncCallsQueue:
         while self._calls:
             call = self._calls[0]
             try:
-                done = 1 if call.caller.is_current_async_call_done(call.request, blocking) else 0
-                if not no_dist:
-                    done = self.dist.all_reduce_min(done)  # fails when a peer died
+                done = self._agree_done(call, blocking, no_dist)
             except BaseException:
                 # The ranks cannot agree on this call any more: it is dropped (its cleanup runs,
                 # nothing is committed) and reported once, so a caller that goes on after the
@@ -444,6 +490,30 @@ class AsyncCallsQueue:
             call.request.finalize(None if no_dist else self.dist, no_dist=no_dist)
             finalized.append(call.idx)
         return finalized
+
+    def _agree_done(self, call: _ScheduledCall, blocking: bool, no_dist: bool) -> bool:
+        """Whether ``call`` can be finalized, the same answer on every rank: its write finished
+        everywhere, or it failed somewhere (then this rank's write, if still running, is stopped:
+        waiting for it would only delay the error, and a hung writer would delay it forever).
+        Blocking, the ranks ask each other every ``AGREE_POLL_S``; a dead peer fails the
+        all-reduce within the process group's timeout."""
+        if no_dist:
+            return call.caller.wait_for(call.request, None if blocking else 0.0)
+        while True:
+            done = call.caller.wait_for(call.request, AGREE_POLL_S if blocking else 0.0)
+            failed = done and call.request.async_error is not None
+            unfinished_somewhere, failed_somewhere = self.dist.all_reduce_max([int(not done), int(failed)])
+            if failed_somewhere and not done:
+                call.caller.stop(call.request)
+                if call.request.async_error is None:
+                    call.request.async_error = WriteStoppedForPeer(
+                        "this rank's background checkpoint write was stopped: the save failed on another rank"
+                    )
+                return True
+            if failed_somewhere or not unfinished_somewhere:
+                return True
+            if not blocking:
+                return False
 
     def close(self) -> None:
         """Finalize every outstanding call (blocking), then stop the writer process."""
