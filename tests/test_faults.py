@@ -371,6 +371,59 @@ def test_a_writer_that_fails_ends_the_wait_for_a_peer_writer_that_hangs(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+def _two_async_saves_first_fails_and_hangs(rank, world, root):
+    """Two saves queued in the persistent writer: rank 0's first write raises (its writer lives
+    on and writes the second), rank 1's first write hangs (so its writer is stopped, and the
+    second save, queued behind, is lost with it). Returns what each finalization raised."""
+    import time
+
+    import dist_ckpt.integrity.manifest as integrity_mod
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    parent = os.getpid()
+    original = integrity_mod.HashingWriter.write
+    first_write = []
+
+    def write(self, data):
+        if os.getpid() != parent and not first_write:  # the forked writer's first write
+            if rank == 0:
+                first_write.append(1)
+                raise OSError(errno.EIO, "injected write error")
+            time.sleep(3600)
+        return original(self, data)
+
+    integrity_mod.HashingWriter.write = write
+    queue = dist_ckpt.AsyncCallsQueue()
+    for name in ("a", "b"):
+        queue.schedule_async_request(dist_ckpt.save(
+            _state(rank, world, 2), f"{root}/{name}", async_sharded_save=True,
+            sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process")))
+    raised = []
+    for _ in range(2):
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+            raised.append("ok")
+        except Exception as e:  # noqa: BLE001
+            raised.append((type(e).__name__, str(e)))
+    queue.close()
+    return raised
+
+
+def test_a_save_queued_behind_a_stopped_write_fails_on_every_rank_alike(tmp_path):
+    """Rank 1's writer is stopped for the first save's failure on rank 0; the second save,
+    written on rank 0 but lost on rank 1, fails on both ranks with the same error, and neither
+    save is committed."""
+    outcomes = run_processes(_two_async_saves_first_fails_and_hangs, 2, str(tmp_path),
+                             collective_timeout_s=PG_TIMEOUT, deadline_s=DEADLINE)
+    assert [o.exitcode for o in outcomes] == [0, 0], outcomes
+    first, second = outcomes[0].result
+    assert outcomes[1].result == [first, second], outcomes
+    assert first[0] == "CheckpointingException" and "injected write error" in first[1], first
+    assert second[0] == "CheckpointingException", second
+    assert "was stopped because an earlier save failed on another rank" in second[1], second
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def _async_thread_save_with_a_slow_peer(rank, world, ckpt):
     """Rank 0's writer thread fails; rank 1's is slow (2 s) and cannot be stopped."""
     import threading
