@@ -355,6 +355,77 @@ def test_a_queued_write_is_timed_from_its_own_start():
         caller.close()
 
 
+# -- a forked writer stuck in its fork (CPython gh-112275) is replaced --------------------------------
+
+_STUCK_FORKS = [0]  # how many of the next forks leave their child stuck (see _stuck_in_the_fork)
+
+
+def _stuck_in_the_fork() -> None:
+    """In a forked child: what CPython < 3.11.8 does when another thread held the interpreter's
+    head lock at the fork - wait for ever, before any code of the child's own runs."""
+    if _STUCK_FORKS[0] > 0:
+        time.sleep(3600)
+
+
+def _one_fork_done() -> None:
+    _STUCK_FORKS[0] = max(0, _STUCK_FORKS[0] - 1)
+
+
+os.register_at_fork(after_in_child=_stuck_in_the_fork, after_in_parent=_one_fork_done)
+
+
+def test_a_writer_stuck_in_its_fork_is_replaced(monkeypatch, caplog):
+    """The first fork's child never runs: it is killed after WRITER_READY_TIMEOUT_S and a second
+    fork writes the request; the stuck child is gone and the warning names it."""
+    import dist_ckpt.strategies.async_utils as async_utils
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
+
+    monkeypatch.setattr(async_utils, "WRITER_READY_TIMEOUT_S", 1.0)
+    caller = PersistentAsyncCaller(timeout_s=60)
+    _STUCK_FORKS[0] = 1
+    try:
+        with caplog.at_level("WARNING", logger=async_utils.__name__):
+            request = AsyncRequest(_sleep_and_return, (0, 7), [])
+            caller.schedule_async_call(request)
+            assert caller.is_current_async_call_done(request, blocking=True)
+        assert request.async_error is None and request.async_result == 7
+        stuck = [r.getMessage() for r in caplog.records if "stuck in the fork" in r.getMessage()]
+        assert len(stuck) == 1, caplog.records
+        pid = int(stuck[0].split("(pid ")[1].split(")")[0])
+        assert pid != caller.pid
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # killed and reaped
+    finally:
+        _STUCK_FORKS[0] = 0
+        caller.close()
+
+
+def test_a_writer_that_never_starts_fails_the_request_not_the_schedule(monkeypatch):
+    """Every fork stuck: the request carries the error (raised on every rank at finalization,
+    like any failed write), scheduling returns, and the next request starts a writer."""
+    import dist_ckpt.strategies.async_utils as async_utils
+    from dist_ckpt.strategies.async_utils import WRITER_START_ATTEMPTS, AsyncRequest, PersistentAsyncCaller
+
+    monkeypatch.setattr(async_utils, "WRITER_READY_TIMEOUT_S", 0.5)
+    caller = PersistentAsyncCaller(timeout_s=60)
+    _STUCK_FORKS[0] = WRITER_START_ATTEMPTS
+    try:
+        failed = AsyncRequest(_sleep_and_return, (0, 1), [])
+        caller.schedule_async_call(failed)
+        assert caller.is_current_async_call_done(failed)
+        assert isinstance(failed.async_error, dist_ckpt.CheckpointingException)
+        assert f"did not start ({WRITER_START_ATTEMPTS} forks" in str(failed.async_error)
+        with pytest.raises(dist_ckpt.CheckpointingException, match="did not start"):
+            failed.finalize(no_dist=True)
+        assert _STUCK_FORKS[0] == 0
+        fine = AsyncRequest(_sleep_and_return, (0, 2), [])
+        caller.schedule_async_call(fine)
+        assert caller.is_current_async_call_done(fine, blocking=True) and fine.async_result == 2
+    finally:
+        _STUCK_FORKS[0] = 0
+        caller.close()
+
+
 # -- 18.11: tensors handed to collectives are on the device the group's backend needs --------------
 
 

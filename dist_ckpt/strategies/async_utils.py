@@ -55,11 +55,15 @@ __all__ = [
     "AsyncCallsQueue",
     "DEFAULT_WRITE_TIMEOUT_S",
     "AGREE_POLL_S",
+    "WRITER_READY_TIMEOUT_S",
     "WriteStoppedForPeer",
 ]
 
 DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this is a failure
 AGREE_POLL_S = 0.2  # a blocking finalization asks the other ranks this often whether a write failed
+WRITER_READY_TIMEOUT_S = 10.0  # a forked writer that has not said it runs after this is stuck in the fork
+WRITER_START_ATTEMPTS = 3
+_READY = -1  # the token of the writer's first message: it runs
 
 
 class WriteStoppedForPeer(CheckpointingException):
@@ -250,6 +254,7 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
     gone); report every outcome."""
     detach_from_interrupts(parent_pid)  # Ctrl-C is the training process's to handle
     _yield_cpu_to_training()
+    results.put((_READY, "ready", os.getpid()))
     while True:
         try:
             job = jobs.get(timeout=1.0)
@@ -302,18 +307,55 @@ class PersistentAsyncCaller(AsyncCaller):
                 "another thread can deadlock the child); schedule the request from the main thread"
             )
         ctx = torch_mp.get_context("fork")
-        self._jobs, self._results = ctx.Queue(), ctx.Queue()
-        self._process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
-                                    name="dist_ckpt-writer", daemon=True)
-        with helpers_starting("fork"):  # a Ctrl-C now is the training process's, not a traceback in the writer
-            self._process.start()
-        self._known_arenas = set()
-        logger.debug("started the persistent checkpoint writer, pid %d", self._process.pid)
+        # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
+        # thread, and a thread ending during the fork is what can hang the fork (below).
+        retired = [self._jobs, self._results]
+        for _ in range(WRITER_START_ATTEMPTS):
+            self._jobs, self._results = ctx.Queue(), ctx.Queue()
+            process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
+                                  name="dist_ckpt-writer", daemon=True)
+            with helpers_starting("fork"):  # a Ctrl-C now is the training process's, not a traceback in the writer
+                process.start()
+            if self._wait_until_ready(process):
+                self._process = process
+                self._known_arenas = set()
+                logger.debug("started the persistent checkpoint writer, pid %d", process.pid)
+                del retired
+                return
+            # CPython before 3.11.8 / 3.12.1 (gh-112275): a fork taken while another thread of this
+            # process was starting or ending can leave the child waiting for ever for a lock
+            # inside os.fork(), before any of our code runs. It says nothing; another fork works.
+            logger.warning("the checkpoint writer process (pid %d) did not start within %.0f s (stuck in the fork); "
+                           "starting another", process.pid, WRITER_READY_TIMEOUT_S)
+            process.kill()
+            process.join()
+            retired += [self._jobs, self._results]
+        self._jobs = self._results = None
+        raise CheckpointingException(
+            f"the background checkpoint writer process did not start ({WRITER_START_ATTEMPTS} forks, each stuck for "
+            f"{WRITER_READY_TIMEOUT_S:.0f} s); save synchronously or with async_writer=\"thread\""
+        )
+
+    def _wait_until_ready(self, process: Any) -> bool:
+        """Whether the forked writer says it runs within ``WRITER_READY_TIMEOUT_S``."""
+        until = time.monotonic() + WRITER_READY_TIMEOUT_S
+        while time.monotonic() < until and process.is_alive():
+            try:
+                token, _, _ = self._results.get(timeout=min(0.1, max(0.0, until - time.monotonic())))
+            except queue_module.Empty:
+                continue
+            if token == _READY:
+                return True
+        return False
 
     def schedule_async_call(self, request: AsyncRequest) -> None:
         if request.async_fn is None or request.async_error is not None:
             return
-        self._ensure_process()
+        try:
+            self._ensure_process()
+        except CheckpointingException as e:  # this request's failure, raised on every rank at finalization
+            request.async_error = e
+            return
         token = self._next
         self._next += 1
         request._caller_token = token  # type: ignore[attr-defined]
