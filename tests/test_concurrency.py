@@ -355,6 +355,33 @@ def test_a_queued_write_is_timed_from_its_own_start():
         caller.close()
 
 
+def test_a_write_whose_writer_died_fails_when_the_next_save_starts_a_new_writer():
+    """The writer is killed during a write, and the next save is scheduled before anyone asked
+    about the first: the new writer never got the first write, which fails (naming the signal)
+    instead of waiting beside it; the second is written by the new writer."""
+    import signal
+
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
+
+    caller = PersistentAsyncCaller(timeout_s=60)
+    try:
+        first = AsyncRequest(_sleep_and_return, (30, 1), [])
+        caller.schedule_async_call(first)
+        dead = caller.pid
+        os.kill(dead, signal.SIGKILL)
+        while caller._process.is_alive():
+            time.sleep(0.01)
+        second = AsyncRequest(_sleep_and_return, (0, 2), [])
+        caller.schedule_async_call(second)
+        assert caller.pid != dead
+        assert caller.is_current_async_call_done(first)  # at once: not after timeout_s
+        assert f"(pid {dead}) was killed by SIGKILL" in str(first.async_error)
+        assert caller.is_current_async_call_done(second, blocking=True)
+        assert second.async_error is None and second.async_result == 2
+    finally:
+        caller.close()
+
+
 # -- a forked writer stuck in its fork (CPython gh-112275) is replaced --------------------------------
 
 _STUCK_FORKS = [0]  # how many of the next forks leave their child stuck (see _stuck_in_the_fork)

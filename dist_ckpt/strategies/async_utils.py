@@ -301,6 +301,8 @@ class PersistentAsyncCaller(AsyncCaller):
     def _ensure_process(self) -> None:
         if self._process is not None and self._process.is_alive():
             return
+        if self._process is not None and self._pending:  # their writer died: they fail now, not hang beside
+            self._fail_dead_writer()                     # a new writer that never got them
         if threading.current_thread() is not threading.main_thread():
             raise CheckpointingException(
                 "the persistent checkpoint writer is started from the main thread only (forking from "
@@ -376,24 +378,37 @@ class PersistentAsyncCaller(AsyncCaller):
         self._pending[token] = (request, None)
         self._jobs.put((token, forget, payload))
 
-    def _collect(self, wait_s: float) -> None:
-        """One message of the writer: a job started (its timeout starts), or a job's outcome."""
+    def _collect(self, wait_s: float) -> bool:
+        """One message of the writer: a job started (its timeout starts), or a job's outcome.
+        False if none came within ``wait_s``."""
         try:
             token, kind, value = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
         except queue_module.Empty:
-            return
+            return False
         if kind == "started":
             if token in self._pending:
                 self._pending[token] = (self._pending[token][0], time.monotonic())
-            return
+            return True
         entry = self._pending.pop(token, None)
         if entry is None:
-            return
+            return True
         request = entry[0]
         if kind == "ok":
             request.async_result = value
         else:
             request.async_error = CheckpointingException(f"the background checkpoint writer failed: {value}")
+        return True
+
+    def _fail_dead_writer(self) -> None:
+        """The writer process is gone: keep the outcomes it sent before it went, fail the rest."""
+        until = time.monotonic() + 0.5
+        while self._pending and self._collect(max(0.0, until - time.monotonic())):
+            pass
+        if self._pending:
+            code = self._process.exitcode
+            how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exited with code {code}")
+            self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) {how}")
 
     def _fail_pending(self, reason: str) -> None:
         for request, _ in self._pending.values():
@@ -409,12 +424,7 @@ class PersistentAsyncCaller(AsyncCaller):
             if token not in self._pending:
                 break
             if not self._process.is_alive():
-                self._collect(0.5)  # a result sent just before exiting
-                if token in self._pending:
-                    code = self._process.exitcode
-                    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-                           else f"exited with code {code}")
-                    self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) {how}")
+                self._fail_dead_writer()
                 break
             if started is not None and time.monotonic() - started >= self.timeout_s:
                 self._process.kill()
