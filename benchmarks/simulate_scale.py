@@ -26,7 +26,14 @@ check), ``coordinator_peak_bytes`` (resident memory above the start, sampled), `
 fingerprint; the comparison is one all-reduce of an int, no global planning),
 ``coordinator_parts_s`` and ``rank_part_bytes`` / ``max_part_bytes`` (the load's coordinator
 cutting every rank's part of the index, as it does for ranks whose host has fewer cores than
-ranks, and the part an ordinary rank / the largest part receives).
+ranks, and the part an ordinary rank / the largest part receives); ``manifest_bytes`` (the
+checkpoint's manifest, block hashes included: ``manifest_block_hashes``),
+``coordinator_manifest_write_s`` (at save: every rank's entries unpickled and the manifest
+written), ``coordinator_manifest_parts_s`` (at load: the manifest parsed once and every rank's
+part taken and pickled) and ``rank_manifest_part_bytes`` / ``rank_manifest_send_bytes`` (the
+checksums a rank receives with its part / sends at commit). The storage table and manifest
+entries are what the writers would record: each chunk in the file of its main replica's rank, a
+record's header and trailer around its data, block hashes for data of 2 MiB or more.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import json
 import math
 import pickle
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
@@ -50,6 +58,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dist_ckpt import ShardedObject, ShardedTensor  # noqa: E402
+from dist_ckpt.integrity.manifest import (  # noqa: E402
+    MANIFEST_FNAME,
+    BlockHashes,
+    ManifestEntry,
+    block_bytes_for,
+    parse_manifest,
+    write_manifest,
+)
 from dist_ckpt.mapping import is_main_replica  # noqa: E402
 from dist_ckpt.sharding.fingerprint import structure_fingerprint  # noqa: E402
 from dist_ckpt.strategies.dcp.plan import (  # noqa: E402
@@ -59,6 +75,7 @@ from dist_ckpt.strategies.dcp.plan import (  # noqa: E402
     plan_tensor_reads,
     reformulated_keys,
 )
+from dist_ckpt.pipeline.load import manifest_part  # noqa: E402
 from dist_ckpt.sharding.regions import requested_regions  # noqa: E402
 from dist_ckpt.strategies.dcp.index_parts import IndexCutter  # noqa: E402
 from dist_ckpt.validation import summarize_sharding, validate_sharding_summaries  # noqa: E402
@@ -155,17 +172,86 @@ def _rank_payloads(rank: int, world: int) -> Tuple[bytes, bytes, bytes]:
             pickle.dumps(requested_regions(items)))
 
 
-def _with_storage(metadata: Any, world: int) -> Any:
-    """The storage table a written checkpoint's ``.metadata`` has (none is written here): an
-    entry per chunk, in one of ``world`` files, so that the parts are as large as they would be."""
+RECORD_HEAD, RECORD_TAIL = 576, 512  # about what a tensor record's zip header / trailer take (dcp.record)
+
+
+def _fake_hash(n: int) -> str:
+    return f"{n * 0x9E3779B97F4A7C15 & (2**64 - 1):016x}"
+
+
+def _writers(metadata: Any, regions: List[bytes]) -> Dict[Tuple[str, Tuple[int, ...]], int]:
+    """Which rank writes each stored chunk: the first rank whose request (the same layout)
+    reads it, i.e. its main replica (data-parallel rank 0 of its model-parallel coordinates for a
+    parameter, its own data-parallel rank for an optimizer range)."""
+    cutter = IndexCutter(_written(metadata, len(regions), {})[0])
+    owner: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for rank, blob in enumerate(regions):
+        part = cutter.part(pickle.loads(blob))
+        for key, _, _, chunks in (part.content.tensors if part is not None else ()):
+            for offsets, _, _ in chunks:
+                owner.setdefault((key, tuple(offsets)), rank)
+    return owner
+
+
+def _written(metadata: Any, world: int, writers: Dict[Tuple[str, Tuple[int, ...]], int]
+             ) -> Tuple[Any, List[List[ManifestEntry]]]:
+    """What a written checkpoint has beside the planned ``.metadata`` (nothing is written
+    here): its storage table, an entry per chunk in the file of the rank that writes it
+    (``writers``; else one of ``world`` files in turn), and each rank's manifest entries for the
+    same records, with block hashes for the data of 2 MiB or more (``block_bytes_for``) as the
+    writer makes them, so that the parts and the manifest are as large as they would be."""
     storage = {}
+    entries: List[List[ManifestEntry]] = [[] for _ in range(world)]
+    ends = [0] * world
+    hashes = 0
     for key, md in metadata.state_dict_metadata.items():
         chunks = getattr(md, "chunks", None)
+        itemsize = md.properties.dtype.itemsize if chunks is not None else 0
         for i, ch in enumerate(chunks if chunks is not None else [None]):
             index = MetadataIndex(key, ch.offsets) if ch is not None else MetadataIndex(key)
-            storage[index] = _StorageInfo(f"__{i % world}_0.distcp", 1 << 30, 1 << 20)
+            rank = writers.get((key, tuple(ch.offsets)), i % world) if ch is not None else i % world
+            data = math.prod(ch.sizes) * itemsize if ch is not None else 4096
+            length = RECORD_HEAD + data + RECORD_TAIL
+            name = f"__{rank}_0.distcp"
+            storage[index] = _StorageInfo(name, ends[rank], length)
+            block = block_bytes_for(data) if ch is not None else None
+            blocks = None
+            if block is not None:
+                count = -(-data // block) + 2
+                blocks = BlockHashes(RECORD_HEAD, data, block, tuple(_fake_hash(hashes + j) for j in range(count)))
+                hashes += count
+            entries[rank].append(ManifestEntry(name, ends[rank], length, _fake_hash(hashes), key, blocks))
+            hashes += 1
+            ends[rank] += length
+    entries[0] += [ManifestEntry(".metadata", 0, len(pickle.dumps(metadata)), _fake_hash(hashes + 1)),
+                   ManifestEntry("common.pt", 0, 1024, _fake_hash(hashes + 2))]
     metadata.storage_data = storage
-    return metadata
+    return metadata, entries
+
+
+def _manifest_work(entries: List[List[ManifestEntry]], parts: List[Any]) -> Dict[str, Any]:
+    """The coordinator's manifest work: at save, every rank's entries unpickled and the manifest
+    written (``commit``); at load, the manifest parsed once and each rank's part taken (the
+    entries of the files its index part names, ``pipeline.load._cut_parts``)."""
+    sent = [pickle.dumps(rank_entries) for rank_entries in entries]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        write_manifest(Path(tmp), [e for blob in sent for e in pickle.loads(blob)])
+        write_s = time.perf_counter() - start
+        raw = (Path(tmp) / MANIFEST_FNAME).read_bytes()
+    start = time.perf_counter()
+    manifest = parse_manifest(raw, MANIFEST_FNAME)
+    part_bytes = [len(pickle.dumps(manifest_part(manifest, part))) if part is not None else 0 for part in parts]
+    read_s = time.perf_counter() - start
+    return {"write_s": write_s, "read_s": read_s, "bytes": len(raw), "part_bytes": part_bytes,
+            "send_bytes": [len(b) for b in sent],
+            "block_hashes": sum(len(e.blocks.hashes) for r in entries for e in r if e.blocks is not None)}
+
+
+def metadata_bytes_for_layout(local_plans: Any) -> bytes:
+    """The ``.metadata`` the coordinator builds from every rank's local plan (pickled)."""
+    plans = [pickle.loads(b) for b in local_plans]
+    return pickle.dumps(make_global_metadata(plans, reformulated_keys(plans)))
 
 
 def simulate(world: int) -> Dict[str, Any]:
@@ -175,6 +261,13 @@ def simulate(world: int) -> Dict[str, Any]:
     start = time.perf_counter()
     shard_lists, local_plans, regions = zip(*(_rank_payloads(r, world) for r in range(world)))
     built_s = time.perf_counter() - start
+    gc.collect()
+
+    # the written checkpoint's .metadata (with its storage table) and manifest entries: not timed
+    planned = metadata_bytes_for_layout(local_plans)
+    written, entries = _written(pickle.loads(planned), world, _writers(pickle.loads(planned), list(regions)))
+    index_bytes = pickle.dumps(written)
+    del written
     gc.collect()
 
     with PeakRss() as rss:
@@ -192,10 +285,13 @@ def simulate(world: int) -> Dict[str, Any]:
         # every rank's part of the index cut on the coordinator (what it does for ranks that
         # share their cores; here for all N): unpickling .metadata, cutting, pickling each part
         start = time.perf_counter()
-        cutter = IndexCutter(_with_storage(pickle.loads(metadata_bytes), world))
-        part_bytes = [len(pickle.dumps(cutter.part(pickle.loads(b)))) for b in regions]
+        cutter = IndexCutter(pickle.loads(index_bytes))
+        parts = [cutter.part(pickle.loads(b)) for b in regions]
+        part_bytes = [len(pickle.dumps(part)) for part in parts]
         coordinator_parts_s = time.perf_counter() - start
         del cutter
+        manifest = _manifest_work(entries, parts)
+        del entries, parts
     verdict = len(pickle.dumps((None, [])))  # (shared result, failures): what a broadcast verdict carries
 
     items = rank_state(ordinary, world)  # the model's work, not the checkpoint's
@@ -224,6 +320,12 @@ def simulate(world: int) -> Dict[str, Any]:
         "rank_recv_bytes": len(reformulate_bytes) + 2 * verdict,  # save: the reformulated keys, the check's verdict; load: verdict
         "metadata_bytes": len(metadata_bytes),
         "cached_save_s": round(cached_save_s, 5),
+        "coordinator_manifest_write_s": round(manifest["write_s"], 3),
+        "coordinator_manifest_parts_s": round(manifest["read_s"], 3),
+        "manifest_bytes": manifest["bytes"],
+        "manifest_block_hashes": manifest["block_hashes"],
+        "rank_manifest_part_bytes": manifest["part_bytes"][ordinary],
+        "rank_manifest_send_bytes": manifest["send_bytes"][ordinary],
         "build_s": round(built_s, 1),
     }
 
@@ -238,14 +340,16 @@ def main(argv: Any = None) -> None:
     sizes = [n for n in (64, 256, 1024, 4096, 16384, 65536) if n <= args.ranks]
     records = []
     print(f"{'ranks':>7}{'coord save s':>14}{'coord load s':>14}{'coord MiB':>11}{'rank s':>9}{'rank recv B':>13}"
-          f"{'.metadata MiB':>15}{'cached s':>10}{'parts s':>9}{'part KiB':>10}")
+          f"{'.metadata MiB':>15}{'cached s':>10}{'parts s':>9}{'part KiB':>10}{'manifest MiB':>14}"
+          f"{'mf parts s':>12}{'mf part KiB':>13}")
     for n in sizes:
         r = simulate(n)
         records.append(r)
         print(f"{n:>7}{r['coordinator_s']:>14.2f}{r['coordinator_load_s']:>14.2f}"
               f"{r['coordinator_peak_bytes'] / 2**20:>11.0f}{r['rank_s']:>9.3f}{r['rank_recv_bytes']:>13}"
               f"{r['metadata_bytes'] / 2**20:>15.1f}{r['cached_save_s']:>10.4f}{r['coordinator_parts_s']:>9.2f}"
-              f"{r['rank_part_bytes'] / 2**10:>10.1f}", flush=True)
+              f"{r['rank_part_bytes'] / 2**10:>10.1f}{r['manifest_bytes'] / 2**20:>14.1f}"
+              f"{r['coordinator_manifest_parts_s']:>12.2f}{r['rank_manifest_part_bytes'] / 2**10:>13.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     if args.readme:
@@ -257,14 +361,17 @@ def _readme_lines(records: List[dict]) -> List[str]:
     rows = [[f"{r['ranks']:,}", f"{r['coordinator_s']:.2f}", f"{r['coordinator_load_s']:.2f}",
              f"{r['coordinator_peak_bytes'] / 2**20:.0f}", f"{r['rank_s']:.2f}", f"{r['rank_recv_bytes']:,}",
              f"{r['metadata_bytes'] / 2**20:.1f}", f"{r['cached_save_s'] * 1e3:.1f}",
-             f"{r['coordinator_parts_s']:.2f}", f"{r['rank_part_bytes'] / 2**10:.1f}"] for r in records]
+             f"{r['coordinator_parts_s']:.2f}", f"{r['rank_part_bytes'] / 2**10:.1f}",
+             f"{r['manifest_bytes'] / 2**20:.1f}", f"{r['coordinator_manifest_parts_s']:.2f}",
+             f"{r['rank_manifest_part_bytes'] / 2**10:.1f}"] for r in records]
     head = [f"Generated by `python benchmarks/simulate_scale.py --ranks {records[-1]['ranks']} --readme` on "
             f"{machine_description(Path.cwd())}.", ""]
     return head + markdown_table(
         ["ranks", "coordinator: save planning (s)", "coordinator: load access check (s)", "coordinator memory (MiB)",
          "ordinary rank: planning (s)", "ordinary rank receives (bytes)", "`.metadata` (MiB)",
          "repeated save, a rank's work (ms)", "coordinator: every rank's index part (s)",
-         "a rank's index part (KiB)"], rows, right=range(10))
+         "a rank's index part (KiB)", "manifest (MiB)", "coordinator: every rank's manifest part (s)",
+         "a rank's manifest part (KiB)"], rows, right=range(13))
 
 
 if __name__ == "__main__":

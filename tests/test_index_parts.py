@@ -173,6 +173,49 @@ def test_a_partial_manifest_defers_to_the_whole_one(saved):
     assert manifest_module.load_manifest(ckpt) is whole
 
 
+def test_a_ranks_manifest_part_holds_the_checksums_of_what_it_reads_only(saved):
+    """The checksums sent with a part are those of the items the part names, of the common
+    state and of ``metadata.json``: not every item of the files it names (a writer's file holds
+    every item that rank wrote; a rank that reads one of them got them all)."""
+    from dist_ckpt.pipeline.load import manifest_part
+
+    metadata = read_dcp_metadata(saved / "ckpt")
+    whole = manifest_module.load_manifest(saved / "ckpt")
+    one_key = [ShardedTensor.from_rank_offsets("rows.3", torch.zeros(2, 3), (0, 1, WORLD))]
+    part = IndexCutter(metadata).part(requested_regions(one_key))
+    data_file = metadata.storage_data[next(iter(_reads(one_key, metadata)))[0]].relative_path
+    assert part.files == {data_file} and len(part.ranges) == 1
+    checksums = manifest_part(whole, part)
+    assert checksums.partial
+    assert set(checksums.entries) == set(part.ranges) | {(e.file, e.offset) for f in ("common.pt", "metadata.json")
+                                                         for e in whole.files[f]}
+    assert len(whole.files[data_file]) > KEYS  # what a whole-file part would have held
+    (index, offset), = part.ranges
+    assert checksums.lookup(index, offset) == whole.lookup(index, offset)
+    # a part that names no ranges (another strategy's) still gets its files whole
+    from dist_ckpt.strategies.base import IndexPart
+
+    assert set(manifest_part(whole, IndexPart(None, frozenset({data_file}))).files[data_file]) == set(
+        whole.files[data_file])
+
+
+def test_a_manifest_pickles_as_plain_rows_and_comes_back_equal():
+    """What the coordinator sends each rank: the entries as plain tuples (no named tuples, one
+    table), block hashes and the partial flag kept."""
+    blocks = manifest_module.BlockHashes(64, 3 << 20, 1 << 20, tuple(f"{i:016x}" for i in range(5)))
+    entries = [manifest_module.ManifestEntry("__0_0.distcp", 0, (3 << 20) + 128, "0" * 16, "w", blocks),
+               manifest_module.ManifestEntry("__0_0.distcp", (3 << 20) + 128, 100, "1" * 16, "b"),
+               manifest_module.ManifestEntry("common.pt", 0, 10, "2" * 16)]
+    for partial in (False, True):
+        original = manifest_module.Manifest.from_entries(entries, partial=partial)
+        raw = pickle.dumps(original)
+        assert b"ManifestEntry" not in raw and b"BlockHashes" not in raw
+        back = pickle.loads(raw)
+        assert back == original and back.partial is partial
+        assert back.lookup("__0_0.distcp", 0).blocks == blocks
+        assert back.files["__0_0.distcp"] == entries[:2]
+
+
 def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
     """Load with parts cut whatever this machine's cores; count what each rank read itself."""
     import dist_ckpt.pipeline.load as load_pipeline

@@ -48,7 +48,7 @@ from ..validation import (
 )
 
 __all__ = ["LoadRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint", "open_checkpoint", "read",
-           "load_sharded_metadata_with", "wants_index_part"]
+           "load_sharded_metadata_with", "wants_index_part", "manifest_part"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -223,12 +223,20 @@ def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[Req
         return nothing
     if cut is None or len(cut) != len(wanted):
         return nothing
-    always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
     answers = list(nothing)
     for i, part in zip(wanted, cut):
         if part is not None:
-            answers[i] = (part, None if manifest is None else manifest.part(always_read | part.files))
+            answers[i] = (part, None if manifest is None else manifest_part(manifest, part))
     return answers
+
+
+def manifest_part(manifest: Manifest, part: IndexPart) -> Manifest:
+    """The checksums a rank with ``part`` verifies: the items the part names (or its whole
+    files, if it names no items), the common state and ``metadata.json``."""
+    always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
+    if part.ranges is None:
+        return manifest.part(always_read | part.files)
+    return manifest.part(always_read, part.ranges)
 
 
 def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:

@@ -64,10 +64,15 @@ __all__ = [
 @dataclass(frozen=True)
 class IndexPart:
     """One rank's part of a checkpoint's index (``LoadShardedStrategy.index_parts``): the
-    strategy's own ``content``, and the files it names, whose checksums the rank gets with it."""
+    strategy's own ``content``, and the files it names, whose checksums the rank gets with it:
+    those of the byte ranges it names (``ranges``: (file, offset) of each), or, if it names
+    none, of the whole files (a writer's file holds every item that rank wrote; a rank that
+    reads a few of them got the checksums of all: ~430 entries, 100 KiB, per rank of a
+    GPT-175B-like job, ``benchmarks/simulate_scale.py``)."""
 
     content: Any
     files: FrozenSet[str]
+    ranges: Optional[FrozenSet[Tuple[str, int]]] = None
 
 
 class StrategyAction(Enum):

@@ -195,6 +195,7 @@ class IndexCutter:
                 chunks[id(ch)] = ch
         file_numbers: Dict[int, int] = {}  # the coordinator's file number -> this part's
         files: List[str] = []
+        ranges: List[Tuple[str, int]] = []  # the items the rank reads: their checksums go with the part
 
         def localized(where: _Storage) -> _Storage:
             if where is None:
@@ -203,6 +204,7 @@ class IndexCutter:
             if number is None:
                 number = file_numbers[where[0]] = len(files)
                 files.append(self._file_list[where[0]])
+            ranges.append((files[number], where[1]))
             return (number, where[1], where[2], where[3])
 
         tensors = []
@@ -229,7 +231,7 @@ class IndexCutter:
         mcore_data = {k: v for k, v in self.mcore_data.items() if k in names}
         content = CompactIndex(property_list, files, tensors, objects, mcore_data, planner_data,
                                self.metadata.storage_meta, self.metadata.version)
-        return IndexPart(content, frozenset(files))
+        return IndexPart(content, frozenset(files), frozenset(ranges))
 
     def _key(self, key: str) -> _KeyIndex:
         index = self._keys.get(key)
