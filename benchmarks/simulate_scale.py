@@ -231,8 +231,8 @@ def _written(metadata: Any, world: int, writers: Dict[Tuple[str, Tuple[int, ...]
 
 def _manifest_work(entries: List[List[ManifestEntry]], parts: List[Any]) -> Dict[str, Any]:
     """The coordinator's manifest work: at save, every rank's entries unpickled and the manifest
-    written (``commit``); at load, the manifest parsed once and each rank's part taken (the
-    entries of the files its index part names, ``pipeline.load._cut_parts``)."""
+    written (``commit``); at load, the manifest parsed once and each rank's part taken and
+    pickled (the checksums of the items its index part names, ``pipeline.load.manifest_part``)."""
     sent = [pickle.dumps(rank_entries) for rank_entries in entries]
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

@@ -18,6 +18,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_ckpt.runtime.launch import run_processes
+from dist_ckpt.strategies.async_utils import WRITER_READY_TIMEOUT_S
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,7 @@ def _save_with_failure(rank, world, ckpt, case):
 
         extra = {"f": dist_ckpt.ShardedTensorFactory("f", torch.zeros(2), build, lambda x: x)}
     start = time.monotonic()
+    replaced = 0  # seconds this rank spent replacing a writer stuck in its fork (CPython gh-112275)
     try:
         if case.startswith(("write", "staging")):
             request = dist_ckpt.save(_state(rank, world, extra), ckpt, async_sharded_save=True)
@@ -104,14 +106,15 @@ def _save_with_failure(rank, world, ckpt, case):
                 queue.maybe_finalize_async_calls(blocking=True)
             finally:
                 if queue._persistent_caller is not None:
+                    replaced = queue._persistent_caller.forks_replaced * WRITER_READY_TIMEOUT_S
                     queue._persistent_caller.close()
         else:
             dist_ckpt.save(_state(rank, world, extra), ckpt)
     except Exception as e:  # noqa: BLE001
         seconds = time.monotonic() - start
         time.sleep(STAY)
-        return type(e).__name__, isinstance(e, dist_ckpt.CheckpointingException), str(e), seconds
-    return "ok", True, "", time.monotonic() - start
+        return type(e).__name__, isinstance(e, dist_ckpt.CheckpointingException), str(e), seconds, replaced
+    return "ok", True, "", time.monotonic() - start, replaced
 
 
 CASES = {
@@ -132,10 +135,12 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank_at_once(tmp_path, case):
     assert all(o.exitcode == 0 for o in outcomes), outcomes
     results = [o.result for o in outcomes]
     print(f"\n{case}: " + ", ".join(f"rank {o.rank} raised {o.result[0]} after {o.result[3]:.2f} s" for o in outcomes))
-    for name, ours, message, seconds in results:
+    # a rank that replaced a writer stuck in its fork (10 s each) joins the others that much later
+    allowed = FAST + max(r[4] for r in results)
+    for name, ours, message, seconds, _ in results:
         assert name != "ok" and ours, results
         assert CASES[case] in message, results
-        assert seconds < FAST, f"{case}: a rank took {seconds:.1f} s to learn of the failure: {results}"
+        assert seconds < allowed, f"{case}: a rank took {seconds:.1f} s to learn of the failure: {results}"
     assert results[0][2] == results[1][2], results  # the same error everywhere
     assert not os.path.exists(ckpt) or not dist_ckpt.check_is_distributed_checkpoint(ckpt)
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["ckpt"]), list(tmp_path.iterdir())

@@ -357,6 +357,9 @@ def test_scale_simulation_writes_its_records(tmp_path):
     assert record["ranks"] == 64 and set(record) >= {"coordinator_s", "coordinator_peak_bytes", "rank_s",
                                                       "rank_recv_bytes", "cached_save_s"}
     assert 0 < record["rank_recv_bytes"] < 10_000 and record["metadata_bytes"] > 100_000
+    # the manifest a written checkpoint would have (block hashes), and a rank's small part of it
+    assert record["manifest_block_hashes"] > 100_000 and record["manifest_bytes"] > 16 * record["manifest_block_hashes"]
+    assert 0 < record["rank_manifest_part_bytes"] < record["manifest_bytes"] / 20
 
 
 # -- async staging: reused buffers, memory budget ---------------------------------------------------

@@ -293,6 +293,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._pending: Dict[int, Tuple[AsyncRequest, Optional[float]]] = {}
         self._next = 0
         self._known_arenas: Set[int] = set()  # staging arenas the current process was sent
+        self.forks_replaced = 0  # writers killed because they never started (stuck in the fork)
 
     @property
     def pid(self) -> Optional[int]:
@@ -331,6 +332,7 @@ class PersistentAsyncCaller(AsyncCaller):
                            "starting another", process.pid, WRITER_READY_TIMEOUT_S)
             process.kill()
             process.join()
+            self.forks_replaced += 1
             retired += [self._jobs, self._results]
         self._jobs = self._results = None
         raise CheckpointingException(
