@@ -56,7 +56,7 @@ class CompactIndex(NamedTuple):
     """A rank's part of ``.metadata`` in plain tuples; ``to_metadata`` makes it a ``Metadata``."""
 
     properties: List[TensorProperties]  # each distinct one once
-    files: List[str]
+    files: Dict[int, str]  # the coordinator's file numbers (those of the part's entries) -> names
     tensors: List[Tuple[str, int, Tuple[int, ...], List[_Chunk]]]  # key, properties number, size, chunks
     objects: List[Tuple[str, _Storage]]
     mcore_data: Dict[str, Any]
@@ -193,45 +193,36 @@ class IndexCutter:
                 found = self._found[region] = self._key(region.key).meeting(region)
             for ch in found:
                 chunks[id(ch)] = ch
-        file_numbers: Dict[int, int] = {}  # the coordinator's file number -> this part's
-        files: List[str] = []
-        ranges: List[Tuple[str, int]] = []  # the items the rank reads: their checksums go with the part
-
-        def localized(where: _Storage) -> _Storage:
-            if where is None:
-                return None
-            number = file_numbers.get(where[0])
-            if number is None:
-                number = file_numbers[where[0]] = len(files)
-                files.append(self._file_list[where[0]])
-            ranges.append((files[number], where[1]))
-            return (number, where[1], where[2], where[3])
-
+        # Chunks go as the coordinator encoded them, with its file numbers (the part names those
+        # files only): renumbering them per part built a tuple per chunk, ~2.5 M for 16,384 ranks.
         tensors = []
         properties: Dict[int, int] = {}
         property_list: List[TensorProperties] = []
         for key, chunks in selected.items():
             index = self._keys[key]
-            md = cast(TensorStorageMetadata, state[key])
             kept = sorted(chunks, key=index.position.__getitem__) if len(chunks) > 1 else list(chunks)
             encoded = [index.encoded[i] for i in kept]
+            md = cast(TensorStorageMetadata, state[key])
             prop = self._property_of[key]
             if prop not in properties:
                 properties[prop] = len(property_list)
                 property_list.append(self._property_list[prop])
-            tensors.append((key, properties[prop], tuple(md.size),
-                            [(offsets, sizes, localized(where)) for offsets, sizes, where in encoded]))
+            tensors.append((key, properties[prop], tuple(md.size), encoded))
         objects = []
         for unique_key in request.objects:
             if not isinstance(state.get(unique_key), BytesStorageMetadata):
                 raise _CannotCut(unique_key)
-            objects.append((unique_key, localized(self._storage(MetadataIndex(unique_key)))))
+            objects.append((unique_key, self._storage(MetadataIndex(unique_key))))
+        wheres = [where for _, _, _, chunks in tensors for _, _, where in chunks if where is not None]
+        wheres += [where for _, where in objects if where is not None]
+        files = {number: self._file_list[number] for number in {where[0] for where in wheres}}
+        ranges = frozenset((files[where[0]], where[1]) for where in wheres)  # their checksums go with the part
         names = set(selected) | set(request.objects)
         planner_data = {k: v for k, v in (self.metadata.planner_data or {}).items() if k in names}
         mcore_data = {k: v for k, v in self.mcore_data.items() if k in names}
         content = CompactIndex(property_list, files, tensors, objects, mcore_data, planner_data,
                                self.metadata.storage_meta, self.metadata.version)
-        return IndexPart(content, frozenset(files), frozenset(ranges))
+        return IndexPart(content, frozenset(files.values()), ranges)
 
     def _key(self, key: str) -> _KeyIndex:
         index = self._keys.get(key)
