@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from dist_ckpt import ShardedObject, ShardedTensor  # noqa: E402
+from dist_ckpt.core import COMMON_STATE_FNAME, DCP_METADATA_FNAME  # noqa: E402
 from dist_ckpt.integrity.manifest import (  # noqa: E402
     MANIFEST_FNAME,
     BlockHashes,
@@ -223,8 +224,8 @@ def _written(metadata: Any, world: int, writers: Dict[Tuple[str, Tuple[int, ...]
             entries[rank].append(ManifestEntry(name, ends[rank], length, _fake_hash(hashes), key, blocks))
             hashes += 1
             ends[rank] += length
-    entries[0] += [ManifestEntry(".metadata", 0, len(pickle.dumps(metadata)), _fake_hash(hashes + 1)),
-                   ManifestEntry("common.pt", 0, 1024, _fake_hash(hashes + 2))]
+    entries[0] += [ManifestEntry(DCP_METADATA_FNAME, 0, len(pickle.dumps(metadata)), _fake_hash(hashes + 1)),
+                   ManifestEntry(COMMON_STATE_FNAME, 0, 1024, _fake_hash(hashes + 2))]
     metadata.storage_data = storage
     return metadata, entries
 
