@@ -188,7 +188,7 @@ def _writers(metadata: Any, regions: List[bytes]) -> Dict[Tuple[str, Tuple[int, 
     owner: Dict[Tuple[str, Tuple[int, ...]], int] = {}
     for rank, blob in enumerate(regions):
         part = cutter.part(pickle.loads(blob))
-        for key, _, _, chunks in (part.content.tensors if part is not None else ()):
+        for key, chunks in (part.content.keys_and_chunks() if part is not None else ()):
             for offsets, _, _ in chunks:
                 owner.setdefault((key, tuple(offsets)), rank)
     return owner

@@ -126,6 +126,57 @@ def test_a_ranks_part_of_the_index_is_its_own(saved):
     assert _reads([flat], part_md) == _reads([flat], metadata)
 
 
+def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(saved):
+    """A rank asking for several regions of one key (a stacked layer's parameter: one per layer)
+    gets each chunk they meet once, in stored order, and plans as from the whole index; two
+    requests naming the same regions (data-parallel ranks) get the same pickled chunks, made
+    once, as do regions that meet the same chunks together."""
+    metadata = read_dcp_metadata(saved / "ckpt")
+    cutter = IndexCutter(metadata)
+
+    def rows_request(blocks, key="rows.5"):
+        return [ShardedTensor.from_rank_offsets(key, torch.zeros(2, 3), (0, b, WORLD)) for b in blocks]
+
+    stored = [tuple(c.offsets) for c in metadata.state_dict_metadata["rows.5"].chunks]
+    for blocks in ([3, 1], [1, 3, 1], [0, 1, 2, 3]):
+        tensors = rows_request(blocks)
+        part = cutter.part(requested_regions(tensors))
+        (key, chunks), = part.content.keys_and_chunks()
+        offsets = [tuple(c[0]) for c in chunks]
+        assert key == "rows.5" and offsets == sorted(set(offsets), key=stored.index)
+        assert len(offsets) == len(set(blocks))
+        assert _reads(tensors, part.content.to_metadata()) == _reads(tensors, metadata)
+    # inside one stored chunk: two regions of the same rows meet it once
+    halves = [ShardedTensor.from_rank_offsets("rows.5", torch.zeros(1, 3), (0, r, 2 * WORLD)) for r in (2, 3)]
+    (_, chunks), = cutter.part(requested_regions(halves)).content.keys_and_chunks()
+    assert len(chunks) == 1 and _reads(halves, cutter.part(requested_regions(halves)).content.to_metadata()) == \
+        _reads(halves, metadata)
+    # the same regions from another rank: the same blobs, not copies
+    first = cutter.part(requested_regions(rows_request([3, 1]) + rows_request([2], "rows.6")))
+    again = cutter.part(requested_regions(rows_request([3, 1]) + rows_request([2], "rows.6")))
+    assert [id(b) for b in first.content.tensors] == [id(b) for b in again.content.tensors]
+    assert first.ranges == again.ranges and len(first.ranges) == 3
+
+
+def test_a_manifest_part_to_send_is_the_part_and_pickles_each_entry_once(saved):
+    """What the coordinator sends a rank is, unpickled, exactly ``Manifest.part`` of the same
+    files and ranges (block hashes kept); a range the manifest does not list is left out (the
+    rank's reader refuses the item); an entry named by many parts is pickled once."""
+    raw = (saved / "ckpt" / manifest_module.MANIFEST_FNAME).read_bytes()
+    whole = manifest_module.parse_manifest(raw, "manifest")  # not the process's cached one
+    data = sorted(whole.entries)
+    data = [k for k in data if k[0].endswith(".distcp")]
+    files = {"common.pt", "metadata.json"}
+    for ranges in (data[:3], data[2:7], data[:3] + [("__9_9.distcp", 0)], []):
+        sent = whole.part_to_send(files, frozenset(ranges))
+        back = pickle.loads(pickle.dumps(sent))
+        assert back == whole.part(files, ranges) and back.partial
+        assert back == sent.to_manifest()
+        assert set(back.entries) == {k for k in ranges if k in whole.entries} | {
+            (e.file, e.offset) for f in files for e in whole.files[f]}
+    assert len(whole._pickled_rows) == 7 + sum(len(whole.files[f]) for f in files)
+
+
 def test_a_request_the_coordinator_cannot_cut_for_gets_the_whole_index(saved):
     """A key the checkpoint lacks, or holds as another kind, gets no part: that rank reads the
     whole index and reports it naming what the checkpoint holds, as without parts."""
@@ -185,7 +236,7 @@ def test_a_ranks_manifest_part_holds_the_checksums_of_what_it_reads_only(saved):
     part = IndexCutter(metadata).part(requested_regions(one_key))
     data_file = metadata.storage_data[next(iter(_reads(one_key, metadata)))[0]].relative_path
     assert part.files == {data_file} and len(part.ranges) == 1
-    checksums = manifest_part(whole, part)
+    checksums = pickle.loads(pickle.dumps(manifest_part(whole, part)))  # as the rank gets it
     assert checksums.partial
     assert set(checksums.entries) == set(part.ranges) | {(e.file, e.offset) for f in ("common.pt", "metadata.json")
                                                          for e in whole.files[f]}
@@ -195,7 +246,7 @@ def test_a_ranks_manifest_part_holds_the_checksums_of_what_it_reads_only(saved):
     # a part that names no ranges (another strategy's) still gets its files whole
     from dist_ckpt.strategies.base import IndexPart
 
-    assert set(manifest_part(whole, IndexPart(None, frozenset({data_file}))).files[data_file]) == set(
+    assert set(manifest_part(whole, IndexPart(None, frozenset({data_file}))).to_manifest().files[data_file]) == set(
         whole.files[data_file])
 
 

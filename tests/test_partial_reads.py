@@ -144,6 +144,9 @@ def test_malformed_block_hashes_are_refused(saved, tmp_path):
     row = next(r for r in content["entries"] if len(r) == 6)
     for damage, why in ((lambda b: b[3].pop(), "a hash missing"),
                         (lambda b: b[3].__setitem__(0, "xyz"), "not a hash"),
+                        (lambda b: b[3].__setitem__(0, "0" * 16 + "g"), "17 digits, one not hex"),
+                        (lambda b: b[3].__setitem__(0, 7), "a number"),
+                        (lambda b: b[3].__setitem__(slice(0, 2), [b[3][0][:15], b[3][1] + "0"]), "15 and 17 digits"),
                         (lambda b: b.__setitem__(1, b[1] + 10 ** 9), "data beyond the entry"),
                         (lambda b: b.__setitem__(2, 0), "blocks of no bytes")):
         bad = json.loads(json.dumps(content))

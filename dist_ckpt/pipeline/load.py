@@ -31,7 +31,7 @@ from ..mapping import (
     apply_factory_merges,
 )
 from ..core import COMMON_STATE_FNAME, CONFIG_FNAME, CheckpointingException
-from ..integrity.manifest import Manifest, load_manifest, manifest_given, verification_enabled
+from ..integrity.manifest import Manifest, ManifestPart, load_manifest, manifest_given, verification_enabled
 from ..runtime.collectives import DistWrapper
 from ..runtime.timing import phase
 from ..sharding.partition import assemble, split_state_dict
@@ -163,12 +163,13 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
         return _RankRequest(summarize_sharding(splits[0].local_metadata or []), socket.gethostname(), _cores())
 
     verdict: _Verdict = dist.reduce_scatter(describe, lambda everyone: _check_requests(request, everyone))
-    parts: Tuple[Optional[IndexPart], Optional[Manifest]] = (None, None)
+    parts: Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]] = (None, None)
     if verdict.any_part:  # only the ranks that get a part send their regions
         parts = dist.reduce_scatter(
             lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None,
             lambda regions: _cut_parts(request, directory, regions))
-    index_part, manifest_part = parts
+    index_part, sent = parts  # a ManifestPart arrives unpickled as a Manifest (not so without a process group)
+    manifest_part = sent.to_manifest() if isinstance(sent, ManifestPart) else sent
     with manifest_given(directory, manifest_part):
         opened = dist.all_run(lambda: _open(request, directory, splits[0]))
     return replace(opened, requested_keys=verdict.requested_keys, index_part=index_part, manifest_part=manifest_part)
@@ -208,11 +209,11 @@ def _check_requests(request: LoadRequest, everyone: List[_RankRequest]) -> List[
 
 
 def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[RequestedRegions]]
-               ) -> List[Tuple[Optional[IndexPart], Optional[Manifest]]]:
+               ) -> List[Tuple[Optional[IndexPart], Optional[ManifestPart]]]:
     """On the coordinator: the part of the index and of the manifest of each rank that sent its
     regions, from one reading of each. Whatever fails here (the checkpoint missing, a damaged
     index) gives no parts: every rank then reads for itself and reports it in its own words."""
-    nothing: List[Tuple[Optional[IndexPart], Optional[Manifest]]] = [(None, None)] * len(regions)
+    nothing: List[Tuple[Optional[IndexPart], Optional[ManifestPart]]] = [(None, None)] * len(regions)
     wanted = [i for i, r in enumerate(regions) if r is not None]
     try:
         sharded, _ = verify_checkpoint_and_load_strategy(directory, request.sharded_strategy,
@@ -230,13 +231,14 @@ def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[Req
     return answers
 
 
-def manifest_part(manifest: Manifest, part: IndexPart) -> Manifest:
-    """The checksums a rank with ``part`` verifies: the items the part names (or its whole
-    files, if it names no items), the common state and ``metadata.json``."""
+def manifest_part(manifest: Manifest, part: IndexPart) -> ManifestPart:
+    """The checksums a rank with ``part`` verifies, as the coordinator sends them: the items the
+    part names (or its whole files, if it names no items), the common state and
+    ``metadata.json``."""
     always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
     if part.ranges is None:
-        return manifest.part(always_read | part.files)
-    return manifest.part(always_read, part.ranges)
+        return manifest.part_to_send(always_read | part.files)
+    return manifest.part_to_send(always_read, part.ranges)
 
 
 def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
+import pickle
+from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core import CorruptCheckpointError
 from ...sharding.geometry import Box, intersect
-from ...sharding.regions import RequestedRegion, RequestedRegions
+from ...sharding.regions import RegionRow, RequestedRegion, RequestedRegions
 from ..interfaces import IndexPart
 from .plan import REFORMULATED_SHAPE_KEY, reformulated_local_shape
 
@@ -53,23 +54,37 @@ _Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], _Storage]
 
 
 class CompactIndex(NamedTuple):
-    """A rank's part of ``.metadata`` in plain tuples; ``to_metadata`` makes it a ``Metadata``."""
+    """A rank's part of ``.metadata``; ``to_metadata`` makes it a ``Metadata``.
 
-    properties: List[TensorProperties]  # each distinct one once
+    Each requested key's stored chunks travel pickled already (``tensors``: one blob per key,
+    (key, properties number, size, chunks)), as the coordinator made them once for every rank
+    whose request meets the same chunks: data-parallel ranks ask for the same model shards, and
+    pickling each rank's chunks anew was most of the coordinator's work at 16,384 ranks
+    (``benchmarks/simulate_scale.py``). The blobs come from the job's own coordinator, as every
+    payload of a collective does."""
+
+    properties: List[TensorProperties]  # by the numbers the tensors' blobs use
     files: Dict[int, str]  # the coordinator's file numbers (those of the part's entries) -> names
-    tensors: List[Tuple[str, int, Tuple[int, ...], List[_Chunk]]]  # key, properties number, size, chunks
+    tensors: List[bytes]  # pickled (key, properties number, size, chunks) of each key
     objects: List[Tuple[str, _Storage]]
     mcore_data: Dict[str, Any]
     planner_data: Dict[str, Any]
     storage_meta: Any
     version: Any
 
+    def keys_and_chunks(self) -> Iterator[Tuple[str, List[_Chunk]]]:
+        """Each tensor key of the part with its chunks, as sent."""
+        for blob in self.tensors:
+            key, _, _, chunks = pickle.loads(blob)  # noqa: S301 - made by this job's coordinator
+            yield key, chunks
+
     def to_metadata(self) -> Metadata:
         """The part as DCP's ``Metadata``, what the planner and the reader take."""
         storage: Dict[MetadataIndex, _StorageInfo] = {}
         state: Dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
         files = self.files
-        for key, prop, size, chunks in self.tensors:
+        for blob in self.tensors:
+            key, prop, size, chunks = pickle.loads(blob)  # noqa: S301 - made by this job's coordinator
             stored = []
             for offsets, sizes, where in chunks:
                 stored.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
@@ -87,17 +102,25 @@ class CompactIndex(NamedTuple):
         return metadata
 
 
+class _Found(NamedTuple):
+    """The chunks of one key that one region (or one rank's regions of that key) meets, ready
+    to send: their blob, the files they lie in and their (file, offset) storage ranges."""
+
+    positions: Tuple[int, ...]  # in the key's stored order
+    blob: bytes
+    files: FrozenSet[int]
+    ranges: Tuple[Tuple[str, int], ...]
+
+
 class _KeyIndex:
-    """One stored key's chunks, each encoded once, indexed for the regions that ask for them:
+    """One stored key's chunks indexed for the regions that ask for them:
     in order along axis 0 (a key stored in its own shape), or by fragment of the original shape
     and in order of flat start (a key stored reformulated: flattened N-D shards, Megatron-Core's
     layout). ``meeting`` finds every chunk that overlaps a region, a superset of what the
     rank's planner reads from (it compares them again), never fewer."""
 
-    def __init__(self, key: str, md: TensorStorageMetadata, orig: Optional[Sequence[int]],
-                 encode: Callable[[str, ChunkStorageMetadata], _Chunk]) -> None:
+    def __init__(self, key: str, md: TensorStorageMetadata, orig: Optional[Sequence[int]]) -> None:
         self.position = {id(ch): i for i, ch in enumerate(md.chunks)}
-        self.encoded = {id(ch): encode(key, ch) for ch in md.chunks}
         size = tuple(md.size)
         self.reformulated = orig is not None
         if orig is None:
@@ -160,20 +183,23 @@ class _KeyIndex:
 
 
 class IndexCutter:
-    """Cuts parts out of one checked ``Metadata``; a key's index is built once, when a request
-    first names it, and shared by every rank's request, and so are the chunks found for a
-    region (the data-parallel replicas of a model shard ask for the same ones)."""
+    """Cuts parts out of one checked ``Metadata``. What a region meets is found, encoded and
+    pickled once (``_Found``), when a request first names it, and shared by every request that
+    names it again; a rank's part is then mostly a list of those blobs."""
 
     def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
         self.mcore_data = getattr(metadata, "mcore_data", None) or {}
         self._keys: Dict[str, _KeyIndex] = {}
-        self._found: Dict[RequestedRegion, List[ChunkStorageMetadata]] = {}  # data-parallel ranks repeat regions
+        self._found: Dict[RegionRow, _Found] = {}  # data-parallel ranks repeat regions
+        self._merged: Dict[Tuple[int, ...], _Found] = {}  # a key that several regions of a rank meet
         self._files: Dict[str, int] = {}
+        self._file_list: List[str] = []
         self._properties: Dict[Tuple[Any, ...], int] = {}
         self._property_list: List[TensorProperties] = []
         self._property_of: Dict[str, int] = {}
-        self._file_list: List[str] = []
+        self._chunk_wire: Dict[str, List[_Chunk]] = {}  # each key's chunks encoded, in stored order
+        self._chunk_range: Dict[str, List[Optional[Tuple[str, int]]]] = {}  # and their (file, offset)
 
     def part(self, request: RequestedRegions) -> Optional[IndexPart]:
         """The part of the index ``request`` reads (``content``: a ``CompactIndex``), or None:
@@ -185,44 +211,59 @@ class IndexCutter:
 
     def _cut(self, request: RequestedRegions) -> IndexPart:
         state = self.metadata.state_dict_metadata
-        selected: Dict[str, Dict[int, ChunkStorageMetadata]] = {}
-        for region in request.tensors:
-            chunks = selected.setdefault(region.key, {})
-            found = self._found.get(region)
+        met: Dict[str, List[_Found]] = {}  # a key's regions: a stacked layer's, one per layer
+        for row in request.tensors:
+            found = self._found.get(row)
             if found is None:
-                found = self._found[region] = self._key(region.key).meeting(region)
-            for ch in found:
-                chunks[id(ch)] = ch
-        # Chunks go as the coordinator encoded them, with its file numbers (the part names those
-        # files only): renumbering them per part built a tuple per chunk, ~2.5 M for 16,384 ranks.
-        tensors = []
-        properties: Dict[int, int] = {}
-        property_list: List[TensorProperties] = []
-        for key, chunks in selected.items():
-            index = self._keys[key]
-            kept = sorted(chunks, key=index.position.__getitem__) if len(chunks) > 1 else list(chunks)
-            encoded = [index.encoded[i] for i in kept]
-            md = cast(TensorStorageMetadata, state[key])
-            prop = self._property_of[key]
-            if prop not in properties:
-                properties[prop] = len(property_list)
-                property_list.append(self._property_list[prop])
-            tensors.append((key, properties[prop], tuple(md.size), encoded))
+                found = self._found[row] = self._find(RequestedRegion._make(row))
+            founds = met.get(row[0])  # its key
+            if founds is None:
+                met[row[0]] = [found]
+            else:
+                founds.append(found)
+        by_key = {key: founds[0] if len(founds) == 1 else self._union(key, founds) for key, founds in met.items()}
         objects = []
         for unique_key in request.objects:
             if not isinstance(state.get(unique_key), BytesStorageMetadata):
                 raise _CannotCut(unique_key)
             objects.append((unique_key, self._storage(MetadataIndex(unique_key))))
-        wheres = [where for _, _, _, chunks in tensors for _, _, where in chunks if where is not None]
-        wheres += [where for _, where in objects if where is not None]
-        files = {number: self._file_list[number] for number in {where[0] for where in wheres}}
-        ranges = frozenset((files[where[0]], where[1]) for where in wheres)  # their checksums go with the part
-        names = set(selected) | set(request.objects)
-        planner_data = {k: v for k, v in (self.metadata.planner_data or {}).items() if k in names}
-        mcore_data = {k: v for k, v in self.mcore_data.items() if k in names}
-        content = CompactIndex(property_list, files, tensors, objects, mcore_data, planner_data,
-                               self.metadata.storage_meta, self.metadata.version)
-        return IndexPart(content, frozenset(files.values()), ranges)
+        numbers = set(itertools.chain.from_iterable(f.files for f in by_key.values()))
+        numbers.update(where[0] for _, where in objects if where is not None)
+        files = {number: self._file_list[number] for number in numbers}
+        ranges = set(itertools.chain.from_iterable(f.ranges for f in by_key.values()))  # their checksums go along
+        ranges.update((self._file_list[where[0]], where[1]) for _, where in objects if where is not None)
+        mcore_data = {k: self.mcore_data[k] for k in itertools.chain(by_key, request.objects) if k in self.mcore_data}
+        planner_data = self.metadata.planner_data or {}
+        if planner_data:
+            planner_data = {k: planner_data[k] for k in itertools.chain(by_key, request.objects) if k in planner_data}
+        content = CompactIndex(self._property_list, files, [f.blob for f in by_key.values()], objects, mcore_data,
+                               planner_data, self.metadata.storage_meta, self.metadata.version)
+        return IndexPart(content, frozenset(files.values()), frozenset(ranges))
+
+    def _find(self, region: RequestedRegion) -> _Found:
+        index = self._key(region.key)
+        return self._ready(region.key, tuple(sorted(index.position[id(ch)] for ch in index.meeting(region))))
+
+    def _union(self, key: str, founds: List[_Found]) -> _Found:
+        """What several regions of one rank's request of ``key`` meet together; found once for
+        every rank that names the same regions (the ``_Found``s live as long as the cutter, so
+        their ids name them)."""
+        ids = tuple(map(id, founds))
+        found = self._merged.get(ids)
+        if found is None:
+            positions = tuple(sorted(set(itertools.chain.from_iterable(f.positions for f in founds))))
+            found = self._merged[ids] = self._ready(key, positions)
+        return found
+
+    def _ready(self, key: str, positions: Tuple[int, ...]) -> _Found:
+        """The chunks at ``positions`` of ``key``, encoded and pickled once for every part."""
+        wire, where = self._chunk_wire[key], self._chunk_range[key]
+        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])
+        chunks = [wire[i] for i in positions]
+        blob = pickle.dumps((key, self._property_of[key], tuple(md.size), chunks), protocol=pickle.HIGHEST_PROTOCOL)
+        files = frozenset(ch[2][0] for ch in chunks if ch[2] is not None)
+        ranges = tuple(r for r in (where[i] for i in positions) if r is not None)
+        return _Found(positions, blob, files, ranges)
 
     def _key(self, key: str) -> _KeyIndex:
         index = self._keys.get(key)
@@ -231,13 +272,17 @@ class IndexCutter:
             if not isinstance(md, TensorStorageMetadata):
                 raise _CannotCut(key)
             orig = (self.mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
-            index = self._keys[key] = _KeyIndex(key, md, None if orig is None else tuple(orig), self._encode)
+            index = _KeyIndex(key, md, None if orig is None else tuple(orig))
+            wire = [self._encode(key, ch) for ch in md.chunks]
+            self._chunk_wire[key] = wire
+            self._chunk_range[key] = [None if w[2] is None else (self._file_list[w[2][0]], w[2][1]) for w in wire]
             p = md.properties
             value = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
             if value not in self._properties:
                 self._properties[value] = len(self._property_list)
                 self._property_list.append(p)
             self._property_of[key] = self._properties[value]
+            self._keys[key] = index
         return index
 
     def _encode(self, key: str, ch: ChunkStorageMetadata) -> _Chunk:
