@@ -151,11 +151,16 @@ def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(save
     (_, chunks), = cutter.part(requested_regions(halves)).content.keys_and_chunks()
     assert len(chunks) == 1 and _reads(halves, cutter.part(requested_regions(halves)).content.to_metadata()) == \
         _reads(halves, metadata)
-    # the same regions from another rank: the same blobs, not copies
-    first = cutter.part(requested_regions(rows_request([3, 1]) + rows_request([2], "rows.6")))
-    again = cutter.part(requested_regions(rows_request([3, 1]) + rows_request([2], "rows.6")))
-    assert [id(b) for b in first.content.tensors] == [id(b) for b in again.content.tensors]
-    assert first.ranges == again.ranges and len(first.ranges) == 3
+    # the same regions from other ranks: the first gets the entries, every later one the same
+    # pickled entries, made once
+    request = rows_request([3, 1], "rows.7") + rows_request([2], "rows.8")  # keys not asked for before
+    parts = [cutter.part(requested_regions(request)) for _ in range(3)]
+    assert all(isinstance(e, tuple) for e in parts[0].content.tensors)
+    assert all(isinstance(e, bytes) for e in parts[1].content.tensors)
+    assert [id(b) for b in parts[1].content.tensors] == [id(b) for b in parts[2].content.tensors]
+    assert [pickle.loads(b) for b in parts[2].content.tensors] == parts[0].content.tensors
+    assert parts[0].ranges == parts[2].ranges and len(parts[0].ranges) == 3
+    assert _reads(request, parts[2].content.to_metadata()) == _reads(request, metadata)
 
 
 def test_a_manifest_part_to_send_is_the_part_and_pickles_each_entry_once(saved):

@@ -51,21 +51,22 @@ class _CannotCut(Exception):
 # per rank's part of 1,000 keys, these ~1 ms.
 _Storage = Optional[Tuple[int, int, int, Optional[Sequence[str]]]]
 _Chunk = Tuple[Tuple[int, ...], Tuple[int, ...], _Storage]
+_TensorEntry = Tuple[str, int, Tuple[int, ...], List[_Chunk]]  # key, properties number, size, chunks
 
 
 class CompactIndex(NamedTuple):
     """A rank's part of ``.metadata``; ``to_metadata`` makes it a ``Metadata``.
 
-    Each requested key's stored chunks travel pickled already (``tensors``: one blob per key,
-    (key, properties number, size, chunks)), as the coordinator made them once for every rank
-    whose request meets the same chunks: data-parallel ranks ask for the same model shards, and
-    pickling each rank's chunks anew was most of the coordinator's work at 16,384 ranks
-    (``benchmarks/simulate_scale.py``). The blobs come from the job's own coordinator, as every
-    payload of a collective does."""
+    Each requested key's stored chunks (``tensors``: (key, properties number, size, chunks) per
+    key) travel pickled already where other ranks' parts hold them too: the coordinator pickles
+    them once for every rank whose request meets the same chunks (data-parallel ranks ask for
+    the same model shards; pickling each rank's chunks anew was most of the coordinator's work at
+    16,384 ranks, ``benchmarks/simulate_scale.py``). The blobs come from the job's own
+    coordinator, as every payload of a collective does."""
 
-    properties: List[TensorProperties]  # by the numbers the tensors' blobs use
+    properties: List[TensorProperties]  # by the numbers the tensors' entries use
     files: Dict[int, str]  # the coordinator's file numbers (those of the part's entries) -> names
-    tensors: List[bytes]  # pickled (key, properties number, size, chunks) of each key
+    tensors: List[Union[_TensorEntry, bytes]]  # each key's entry, or the entry pickled
     objects: List[Tuple[str, _Storage]]
     mcore_data: Dict[str, Any]
     planner_data: Dict[str, Any]
@@ -74,17 +75,15 @@ class CompactIndex(NamedTuple):
 
     def keys_and_chunks(self) -> Iterator[Tuple[str, List[_Chunk]]]:
         """Each tensor key of the part with its chunks, as sent."""
-        for blob in self.tensors:
-            key, _, _, chunks = pickle.loads(blob)  # noqa: S301 - made by this job's coordinator
-            yield key, chunks
+        for entry in map(_entry, self.tensors):
+            yield entry[0], entry[3]
 
     def to_metadata(self) -> Metadata:
         """The part as DCP's ``Metadata``, what the planner and the reader take."""
         storage: Dict[MetadataIndex, _StorageInfo] = {}
         state: Dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
         files = self.files
-        for blob in self.tensors:
-            key, prop, size, chunks = pickle.loads(blob)  # noqa: S301 - made by this job's coordinator
+        for key, prop, size, chunks in map(_entry, self.tensors):
             stored = []
             for offsets, sizes, where in chunks:
                 stored.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
@@ -102,14 +101,38 @@ class CompactIndex(NamedTuple):
         return metadata
 
 
-class _Found(NamedTuple):
-    """The chunks of one key that one region (or one rank's regions of that key) meets, ready
-    to send: their blob, the files they lie in and their (file, offset) storage ranges."""
+def _entry(sent: Union[_TensorEntry, bytes]) -> _TensorEntry:
+    """A key's entry in a part, unpickled if it came pickled."""
+    return pickle.loads(sent) if isinstance(sent, bytes) else sent  # noqa: S301 - from this job's coordinator
 
-    positions: Tuple[int, ...]  # in the key's stored order
-    blob: bytes
-    files: FrozenSet[int]
-    ranges: Tuple[Tuple[str, int], ...]
+
+class _Found:
+    """The chunks of one key that one region (or one rank's regions of that key) meets, ready
+    to send: the key's entry in a part (pickled once it is sent a second time: a region only
+    one rank asks for costs no pickling of its own), the files they lie in and their (file,
+    offset) storage ranges."""
+
+    __slots__ = ("positions", "_entry", "_blob", "_handed_out", "files", "ranges")
+
+    def __init__(self, positions: Tuple[int, ...], entry: _TensorEntry, files: FrozenSet[int],
+                 ranges: Tuple[Tuple[str, int], ...]) -> None:
+        self.positions = positions  # in the key's stored order
+        self._entry: Optional[_TensorEntry] = entry
+        self._blob: Optional[bytes] = None
+        self._handed_out = False
+        self.files = files
+        self.ranges = ranges
+
+    def wire(self) -> Union[_TensorEntry, bytes]:
+        """The entry for one more part: as it is the first time, pickled (once) after that."""
+        if self._blob is not None:
+            return self._blob
+        entry = cast(_TensorEntry, self._entry)
+        if self._handed_out:
+            self._blob, self._entry = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), None
+            return self._blob
+        self._handed_out = True
+        return entry
 
 
 class _KeyIndex:
@@ -183,9 +206,9 @@ class _KeyIndex:
 
 
 class IndexCutter:
-    """Cuts parts out of one checked ``Metadata``. What a region meets is found, encoded and
-    pickled once (``_Found``), when a request first names it, and shared by every request that
-    names it again; a rank's part is then mostly a list of those blobs."""
+    """Cuts parts out of one checked ``Metadata``. What a region meets is found and encoded once
+    (``_Found``), when a request first names it, and shared (pickled once) by every request that
+    names it again; a rank's part is then mostly a list of those entries."""
 
     def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
@@ -197,7 +220,9 @@ class IndexCutter:
         self._file_list: List[str] = []
         self._properties: Dict[Tuple[Any, ...], int] = {}
         self._property_list: List[TensorProperties] = []
-        self._property_of: Dict[str, int] = {}
+        self._head: Dict[str, Tuple[str, int, Tuple[int, ...]]] = {}  # key, properties number, size
+        self._file_sets: List[FrozenSet[int]] = []  # {file number}, each made once
+        self._no_file: FrozenSet[int] = frozenset()
         self._chunk_wire: Dict[str, List[_Chunk]] = {}  # each key's chunks encoded, in stored order
         self._chunk_range: Dict[str, List[Optional[Tuple[str, int]]]] = {}  # and their (file, offset)
 
@@ -236,13 +261,16 @@ class IndexCutter:
         planner_data = self.metadata.planner_data or {}
         if planner_data:
             planner_data = {k: planner_data[k] for k in itertools.chain(by_key, request.objects) if k in planner_data}
-        content = CompactIndex(self._property_list, files, [f.blob for f in by_key.values()], objects, mcore_data,
+        content = CompactIndex(self._property_list, files, [f.wire() for f in by_key.values()], objects, mcore_data,
                                planner_data, self.metadata.storage_meta, self.metadata.version)
         return IndexPart(content, frozenset(files.values()), frozenset(ranges))
 
     def _find(self, region: RequestedRegion) -> _Found:
         index = self._key(region.key)
-        return self._ready(region.key, tuple(sorted(index.position[id(ch)] for ch in index.meeting(region))))
+        met = index.meeting(region)
+        if len(met) == 1:  # the common case: a region that is a stored chunk
+            return self._ready(region.key, (index.position[id(met[0])],))
+        return self._ready(region.key, tuple(sorted(index.position[id(ch)] for ch in met)))
 
     def _union(self, key: str, founds: List[_Found]) -> _Found:
         """What several regions of one rank's request of ``key`` meet together; found once for
@@ -256,14 +284,17 @@ class IndexCutter:
         return found
 
     def _ready(self, key: str, positions: Tuple[int, ...]) -> _Found:
-        """The chunks at ``positions`` of ``key``, encoded and pickled once for every part."""
+        """The chunks at ``positions`` of ``key``, encoded for every part that names them."""
         wire, where = self._chunk_wire[key], self._chunk_range[key]
-        md = cast(TensorStorageMetadata, self.metadata.state_dict_metadata[key])
+        head = self._head[key]
+        if len(positions) == 1:
+            chunk, at = wire[positions[0]], where[positions[0]]
+            files = self._no_file if chunk[2] is None else self._file_sets[chunk[2][0]]
+            return _Found(positions, head + ([chunk],), files, () if at is None else (at,))
         chunks = [wire[i] for i in positions]
-        blob = pickle.dumps((key, self._property_of[key], tuple(md.size), chunks), protocol=pickle.HIGHEST_PROTOCOL)
         files = frozenset(ch[2][0] for ch in chunks if ch[2] is not None)
         ranges = tuple(r for r in (where[i] for i in positions) if r is not None)
-        return _Found(positions, blob, files, ranges)
+        return _Found(positions, head + (chunks,), files, ranges)
 
     def _key(self, key: str) -> _KeyIndex:
         index = self._keys.get(key)
@@ -281,7 +312,7 @@ class IndexCutter:
             if value not in self._properties:
                 self._properties[value] = len(self._property_list)
                 self._property_list.append(p)
-            self._property_of[key] = self._properties[value]
+            self._head[key] = (key, self._properties[value], tuple(md.size))
             self._keys[key] = index
         return index
 
@@ -298,4 +329,5 @@ class IndexCutter:
         if number is None:
             number = self._files[info.relative_path] = len(self._file_list)
             self._file_list.append(info.relative_path)
+            self._file_sets.append(frozenset((number,)))
         return (number, info.offset, info.length, info.transform_descriptors)
