@@ -62,6 +62,7 @@ from dist_ckpt.core import COMMON_STATE_FNAME, DCP_METADATA_FNAME  # noqa: E402
 from dist_ckpt.integrity.manifest import (  # noqa: E402
     MANIFEST_FNAME,
     BlockHashes,
+    PartsToSend,
     ManifestEntry,
     block_bytes_for,
     parse_manifest,
@@ -242,7 +243,8 @@ def _manifest_work(entries: List[List[ManifestEntry]], parts: List[Any]) -> Dict
         raw = (Path(tmp) / MANIFEST_FNAME).read_bytes()
     start = time.perf_counter()
     manifest = parse_manifest(raw, MANIFEST_FNAME)
-    part_bytes = [len(pickle.dumps(manifest_part(manifest, part))) if part is not None else 0 for part in parts]
+    to_send = PartsToSend(manifest)
+    part_bytes = [len(pickle.dumps(manifest_part(to_send, part))) if part is not None else 0 for part in parts]
     read_s = time.perf_counter() - start
     return {"write_s": write_s, "read_s": read_s, "bytes": len(raw), "part_bytes": part_bytes,
             "send_bytes": [len(b) for b in sent],

@@ -166,20 +166,24 @@ def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(save
 def test_a_manifest_part_to_send_is_the_part_and_pickles_each_entry_once(saved):
     """What the coordinator sends a rank is, unpickled, exactly ``Manifest.part`` of the same
     files and ranges (block hashes kept); a range the manifest does not list is left out (the
-    rank's reader refuses the item); an entry named by many parts is pickled once."""
-    raw = (saved / "ckpt" / manifest_module.MANIFEST_FNAME).read_bytes()
-    whole = manifest_module.parse_manifest(raw, "manifest")  # not the process's cached one
-    data = sorted(whole.entries)
-    data = [k for k in data if k[0].endswith(".distcp")]
+    rank's reader refuses the item); an entry named by many parts is pickled once per round."""
+    whole = manifest_module.load_manifest(saved / "ckpt")
+    data = [k for k in sorted(whole.entries) if k[0].endswith(".distcp")]
     files = {"common.pt", "metadata.json"}
+    parts = manifest_module.PartsToSend(whole)
     for ranges in (data[:3], data[2:7], data[:3] + [("__9_9.distcp", 0)], []):
-        sent = whole.part_to_send(files, frozenset(ranges))
+        sent = parts.part(files, frozenset(ranges))
         back = pickle.loads(pickle.dumps(sent))
         assert back == whole.part(files, ranges) and back.partial
         assert back == sent.to_manifest()
         assert set(back.entries) == {k for k in ranges if k in whole.entries} | {
             (e.file, e.offset) for f in files for e in whole.files[f]}
-    assert len(whole._pickled_rows) == 7 + sum(len(whole.files[f]) for f in files)
+    assert len(parts.pickled_rows) == 7 + sum(len(whole.files[f]) for f in files)
+    blocks = manifest_module.BlockHashes(64, 3 << 20, 1 << 20, tuple(f"{i:016x}" for i in range(5)))
+    with_blocks = manifest_module.Manifest.from_entries(
+        [manifest_module.ManifestEntry("__0_0.distcp", 0, (3 << 20) + 128, "0" * 16, "w", blocks)])
+    back = pickle.loads(pickle.dumps(manifest_module.PartsToSend(with_blocks).part((), {("__0_0.distcp", 0)})))
+    assert back.lookup("__0_0.distcp", 0).blocks == blocks and back == with_blocks.part((), {("__0_0.distcp", 0)})
 
 
 def test_a_request_the_coordinator_cannot_cut_for_gets_the_whole_index(saved):
@@ -241,7 +245,7 @@ def test_a_ranks_manifest_part_holds_the_checksums_of_what_it_reads_only(saved):
     part = IndexCutter(metadata).part(requested_regions(one_key))
     data_file = metadata.storage_data[next(iter(_reads(one_key, metadata)))[0]].relative_path
     assert part.files == {data_file} and len(part.ranges) == 1
-    checksums = pickle.loads(pickle.dumps(manifest_part(whole, part)))  # as the rank gets it
+    checksums = pickle.loads(pickle.dumps(manifest_part(manifest_module.PartsToSend(whole), part)))  # as sent
     assert checksums.partial
     assert set(checksums.entries) == set(part.ranges) | {(e.file, e.offset) for f in ("common.pt", "metadata.json")
                                                          for e in whole.files[f]}
@@ -251,7 +255,8 @@ def test_a_ranks_manifest_part_holds_the_checksums_of_what_it_reads_only(saved):
     # a part that names no ranges (another strategy's) still gets its files whole
     from dist_ckpt.strategies.base import IndexPart
 
-    assert set(manifest_part(whole, IndexPart(None, frozenset({data_file}))).to_manifest().files[data_file]) == set(
+    sent = manifest_part(manifest_module.PartsToSend(whole), IndexPart(None, frozenset({data_file})))
+    assert set(sent.to_manifest().files[data_file]) == set(
         whole.files[data_file])
 
 

@@ -27,7 +27,7 @@ import logging
 import os
 import pickle
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union, cast
 
@@ -46,6 +46,7 @@ __all__ = [
     "block_bytes_for",
     "Manifest",
     "ManifestPart",
+    "PartsToSend",
     "Recorder",
     "HashingWriter",
     "open_recorder",
@@ -303,8 +304,6 @@ class Manifest:
     entries: Dict[Tuple[str, int], ManifestEntry]
     files: Dict[str, List[ManifestEntry]]
     partial: bool = False
-    # each entry's row pickled, made when a part to send first names it (``part_to_send``)
-    _pickled_rows: Dict[Tuple[str, int], bytes] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_entries(cls, entries: List[ManifestEntry], partial: bool = False) -> "Manifest":
@@ -322,25 +321,6 @@ class Manifest:
         chosen += [e for e in map(self.entries.get, set(ranges)) if e is not None]
         return Manifest.from_entries(chosen, partial=True)
 
-    def part_to_send(self, files: Iterable[str], ranges: Iterable[Tuple[str, int]] = ()) -> "ManifestPart":
-        """``part(files, ranges)`` as a load's coordinator sends it to a rank: each entry's row
-        is pickled once and reused by every part that names it (data-parallel ranks read the
-        same model shards), where pickling every part's entries anew took 5 s at 16,384 ranks
-        (``benchmarks/simulate_scale.py``). Unpickled, it is that partial ``Manifest``."""
-        keys = [(e.file, e.offset) for f in set(files) for e in self.files.get(f, ())]
-        keys += ranges if isinstance(ranges, (set, frozenset)) else set(ranges)
-        pickled = self._pickled_rows
-        rows = []
-        for k in keys:
-            row = pickled.get(k)
-            if row is None:
-                entry = self.entries.get(k)
-                if entry is None:  # a range this manifest does not list: the rank's reader refuses it
-                    continue
-                row = pickled[k] = pickle.dumps(_plain_row(entry), protocol=pickle.HIGHEST_PROTOCOL)
-            rows.append(row)
-        return ManifestPart(b"".join(rows), len(rows))
-
     def lookup(self, file: str, offset: int) -> Optional[ManifestEntry]:
         return self.entries.get((file, offset))
 
@@ -351,8 +331,36 @@ class Manifest:
         return _manifest_from_rows, ([_plain_row(e) for e in self.entries.values()], self.partial)
 
 
+class PartsToSend:
+    """Parts of one manifest as a load's coordinator sends them to ranks (``part``): each entry's
+    row is pickled once, when a part first names it, and reused by every part that names it
+    again (data-parallel ranks read the same model shards), where pickling every part's entries
+    anew took 5 s at 16,384 ranks (``benchmarks/simulate_scale.py``). One per round of parts:
+    the pickled rows go when it goes."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.pickled_rows: Dict[Tuple[str, int], bytes] = {}
+
+    def part(self, files: Iterable[str], ranges: Iterable[Tuple[str, int]] = ()) -> "ManifestPart":
+        """``manifest.part(files, ranges)``, ready to send: unpickled, it is that partial ``Manifest``."""
+        entries, pickled = self.manifest.entries, self.pickled_rows
+        keys = [(e.file, e.offset) for f in set(files) for e in self.manifest.files.get(f, ())]
+        keys += ranges if isinstance(ranges, (set, frozenset)) else set(ranges)
+        rows = []
+        for k in keys:
+            row = pickled.get(k)
+            if row is None:
+                entry = entries.get(k)
+                if entry is None:  # a range the manifest does not list: the rank's reader refuses it
+                    continue
+                row = pickled[k] = pickle.dumps(_plain_row(entry), protocol=pickle.HIGHEST_PROTOCOL)
+            rows.append(row)
+        return ManifestPart(b"".join(rows), len(rows))
+
+
 class ManifestPart:
-    """Some entries of a manifest, their pickled rows one after another (``Manifest.part_to_send``;
+    """Some entries of a manifest, their pickled rows one after another (``PartsToSend.part``;
     one bytes object pickles in a copy, a list of shared ones took a memo entry each): a partial
     ``Manifest`` once unpickled (or ``to_manifest``)."""
 

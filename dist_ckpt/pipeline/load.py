@@ -31,7 +31,14 @@ from ..mapping import (
     apply_factory_merges,
 )
 from ..core import COMMON_STATE_FNAME, CONFIG_FNAME, CheckpointingException
-from ..integrity.manifest import Manifest, ManifestPart, load_manifest, manifest_given, verification_enabled
+from ..integrity.manifest import (
+    Manifest,
+    ManifestPart,
+    PartsToSend,
+    load_manifest,
+    manifest_given,
+    verification_enabled,
+)
 from ..runtime.collectives import DistWrapper
 from ..runtime.timing import phase
 from ..sharding.partition import assemble, split_state_dict
@@ -225,20 +232,21 @@ def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[Req
     if cut is None or len(cut) != len(wanted):
         return nothing
     answers = list(nothing)
+    checksums = None if manifest is None else PartsToSend(manifest)
     for i, part in zip(wanted, cut):
         if part is not None:
-            answers[i] = (part, None if manifest is None else manifest_part(manifest, part))
+            answers[i] = (part, None if checksums is None else manifest_part(checksums, part))
     return answers
 
 
-def manifest_part(manifest: Manifest, part: IndexPart) -> ManifestPart:
+def manifest_part(manifest: PartsToSend, part: IndexPart) -> ManifestPart:
     """The checksums a rank with ``part`` verifies, as the coordinator sends them: the items the
     part names (or its whole files, if it names no items), the common state and
     ``metadata.json``."""
     always_read = {CONFIG_FNAME, COMMON_STATE_FNAME}
     if part.ranges is None:
-        return manifest.part_to_send(always_read | part.files)
-    return manifest.part_to_send(always_read, part.ranges)
+        return manifest.part(always_read | part.files)
+    return manifest.part(always_read, part.ranges)
 
 
 def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:
