@@ -151,6 +151,13 @@ def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(save
     (_, chunks), = cutter.part(requested_regions(halves)).content.keys_and_chunks()
     assert len(chunks) == 1 and _reads(halves, cutter.part(requested_regions(halves)).content.to_metadata()) == \
         _reads(halves, metadata)
+    # one key in two groups (another shape): block 0 whole, and row 2 (in block 1) alone
+    mixed = rows_request([0]) + [ShardedTensor.from_rank_offsets("rows.5", torch.zeros(1, 3), (0, 2, 2 * WORLD))]
+    request = requested_regions(mixed)
+    assert len(request.tensors) == 2 and len(list(request.regions())) == 2
+    (_, chunks), = cutter.part(request).content.keys_and_chunks()
+    assert [tuple(c[0]) for c in chunks] == [o for o in stored if o in {(0, 0), (2, 0)}]
+    assert _reads(mixed, cutter.part(request).content.to_metadata()) == _reads(mixed, metadata)
     # the same regions from other ranks: the first gets the entries, every later one the same
     # pickled entries, made once
     request = rows_request([3, 1], "rows.7") + rows_request([2], "rows.8")  # keys not asked for before
@@ -410,3 +417,27 @@ def test_a_coordinator_stalled_while_cutting_fails_every_rank_within_the_timeout
     assert all("collective" in o.result[1] for o in outcomes), outcomes
     waiting = [o.result[2] for o in outcomes[1:]]
     assert all(STALL_PG_TIMEOUT - 1 <= s < STALL_PG_TIMEOUT * 3 for s in waiting), waiting
+
+
+def test_a_request_groups_the_regions_of_a_key_and_names_them_all():
+    """A rank's request sends each key's regions of one shape and flat range as one group (a
+    stacked layer parameter: one offset per layer); ``regions()`` gives every region back."""
+    from dist_ckpt.sharding.regions import RequestedRegion
+
+    layers = [ShardedTensor.from_rank_offsets("layers.w", torch.zeros(3, 4), (0, layer, 4), (1, 1, 2),
+                                              prepend_axis_num=1) for layer in range(4)]
+    other = ShardedTensor.from_rank_offsets("layers.w", torch.zeros(2, 3, 4), (0, 0, 4))  # another shape
+    flat = [ShardedTensor.from_rank_offsets_flat("opt", torch.zeros(n), (4, 6), flattened_range=slice(a, a + n))
+            for a, n in ((0, 10), (10, 14))]
+    request = requested_regions(layers + [other] + flat + [ShardedObject("rng", None, (2,), (1,))])
+    assert request.tensors == (
+        ("layers.w", (1, 3, 4), None, ((0, 3, 0), (1, 3, 0), (2, 3, 0), (3, 3, 0))),
+        ("layers.w", (2, 3, 4), None, ((0, 0, 0),)),
+        ("opt", (4, 6), (0, 10), ((0, 0),)),
+        ("opt", (4, 6), (10, 24), ((0, 0),)),
+    )
+    assert request.objects == ("rng/shard_1_2",)
+    assert list(request.regions()) == [RequestedRegion("layers.w", (layer, 3, 0), (1, 3, 4), None)
+                                       for layer in range(4)] + [
+        RequestedRegion("layers.w", (0, 0, 0), (2, 3, 4), None), RequestedRegion("opt", (0, 0), (4, 6), (0, 10)),
+        RequestedRegion("opt", (0, 0), (4, 6), (10, 24))]

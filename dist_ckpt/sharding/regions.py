@@ -9,11 +9,11 @@ as plain tuples (cheap to pickle and to compare: data-parallel ranks ask for the
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..mapping import ShardedBase, ShardedObject, ShardedTensor
 
-__all__ = ["RequestedRegion", "RegionRow", "RequestedRegions", "requested_regions"]
+__all__ = ["RequestedRegion", "RegionGroup", "RequestedRegions", "requested_regions"]
 
 
 class RequestedRegion(NamedTuple):
@@ -26,32 +26,39 @@ class RequestedRegion(NamedTuple):
     flat: Optional[Tuple[int, int]]
 
 
-RegionRow = Tuple[str, Tuple[int, ...], Tuple[int, ...], Optional[Tuple[int, int]]]
+RegionGroup = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]], Tuple[Tuple[int, ...], ...]]
 
 
 class RequestedRegions(NamedTuple):
     """One rank's request: every ShardedTensor's region and every ShardedObject's unique key.
 
-    The regions are plain tuples of ``RequestedRegion``'s fields (``RequestedRegion._make(row)``
-    names them): the load's coordinator unpickles every rank's request, and named tuples took
-    2.4x as long to unpickle (80 against 33 us for a rank's 150 regions; 16,384 ranks'
-    requests in ~1.3 s instead of ~3 s, ``benchmarks/simulate_scale.py``). They hash and compare
-    as the named tuples do."""
+    The regions go in groups, plain tuples (key, shape, flat range, offsets): the regions of one
+    key with the same shape and flat range, at each of the offsets (``regions()`` names them one
+    by one). A pipeline stage's rank asks for each stacked layer parameter once per layer; the
+    load's coordinator unpickles and looks up every rank's request, which took ~3 s at 16,384
+    ranks as named tuples, one per region (``benchmarks/simulate_scale.py``)."""
 
-    tensors: Tuple[RegionRow, ...]
+    tensors: Tuple[RegionGroup, ...]
     objects: Tuple[str, ...]
+
+    def regions(self) -> Iterator[RequestedRegion]:
+        """Every requested region, one by one."""
+        for key, shape, flat, offsets in self.tensors:
+            for offset in offsets:
+                yield RequestedRegion(key, offset, shape, flat)
 
 
 def requested_regions(items: Iterable[ShardedBase]) -> RequestedRegions:
     """``items`` (one rank's ShardedTensors and ShardedObjects, any replica) described."""
-    tensors = []
+    groups: Dict[Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]], List[Tuple[int, ...]]] = {}
     objects = []
     for sh in items:
         if isinstance(sh, ShardedTensor):
             box = sh.global_box()
             rng = sh.flattened_range
-            tensors.append((sh.key, tuple(box.offset), tuple(box.shape),
-                            None if rng is None else (rng.start, rng.stop)))
+            group = (sh.key, tuple(box.shape), None if rng is None else (rng.start, rng.stop))
+            groups.setdefault(group, []).append(tuple(box.offset))
         elif isinstance(sh, ShardedObject):
             objects.append(sh.unique_key)
-    return RequestedRegions(tuple(tensors), tuple(objects))
+    return RequestedRegions(tuple((key, shape, flat, tuple(offsets)) for (key, shape, flat), offsets in groups.items()),
+                            tuple(objects))

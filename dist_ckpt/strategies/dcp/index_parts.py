@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ...core import CorruptCheckpointError
 from ...sharding.geometry import Box, intersect
-from ...sharding.regions import RegionRow, RequestedRegion, RequestedRegions
+from ...sharding.regions import RegionGroup, RequestedRegion, RequestedRegions
 from ..interfaces import IndexPart
 from .plan import REFORMULATED_SHAPE_KEY, reformulated_local_shape
 
@@ -214,8 +214,9 @@ class IndexCutter:
         self.metadata = metadata
         self.mcore_data = getattr(metadata, "mcore_data", None) or {}
         self._keys: Dict[str, _KeyIndex] = {}
-        self._found: Dict[RegionRow, _Found] = {}  # data-parallel ranks repeat regions
-        self._merged: Dict[Tuple[int, ...], _Found] = {}  # a key that several regions of a rank meet
+        self._found: Dict[RequestedRegion, _Found] = {}  # what each region meets
+        self._groups: Dict[RegionGroup, _Found] = {}  # what each group meets: data-parallel ranks repeat them
+        self._merged: Dict[Tuple[int, ...], _Found] = {}  # what several regions of a key meet together
         self._files: Dict[str, int] = {}
         self._file_list: List[str] = []
         self._properties: Dict[Tuple[Any, ...], int] = {}
@@ -236,14 +237,14 @@ class IndexCutter:
 
     def _cut(self, request: RequestedRegions) -> IndexPart:
         state = self.metadata.state_dict_metadata
-        met: Dict[str, List[_Found]] = {}  # a key's regions: a stacked layer's, one per layer
-        for row in request.tensors:
-            found = self._found.get(row)
+        met: Dict[str, List[_Found]] = {}  # a key asked for in several groups (other shapes) is rare
+        for group in request.tensors:
+            found = self._groups.get(group)
             if found is None:
-                found = self._found[row] = self._find(RequestedRegion._make(row))
-            founds = met.get(row[0])  # its key
+                found = self._groups[group] = self._find_group(group)
+            founds = met.get(group[0])  # its key
             if founds is None:
-                met[row[0]] = [found]
+                met[group[0]] = [found]
             else:
                 founds.append(found)
         by_key = {key: founds[0] if len(founds) == 1 else self._union(key, founds) for key, founds in met.items()}
@@ -265,6 +266,21 @@ class IndexCutter:
                                planner_data, self.metadata.storage_meta, self.metadata.version)
         return IndexPart(content, frozenset(files.values()), frozenset(ranges))
 
+    def _find_group(self, group: RegionGroup) -> _Found:
+        """What the regions of one group (one key, one shape, the offsets of a stacked layer's
+        parameter, say) meet together."""
+        key, shape, flat, offsets = group
+        if len(offsets) == 1:  # a region of its own: cached as this group
+            return self._find(RequestedRegion(key, offsets[0], shape, flat))
+        founds = []
+        for offset in offsets:
+            region = RequestedRegion(key, offset, shape, flat)
+            found = self._found.get(region)
+            if found is None:
+                found = self._found[region] = self._find(region)
+            founds.append(found)
+        return founds[0] if len(founds) == 1 else self._union(key, founds)
+
     def _find(self, region: RequestedRegion) -> _Found:
         index = self._key(region.key)
         met = index.meeting(region)
@@ -273,9 +289,9 @@ class IndexCutter:
         return self._ready(region.key, tuple(sorted(index.position[id(ch)] for ch in met)))
 
     def _union(self, key: str, founds: List[_Found]) -> _Found:
-        """What several regions of one rank's request of ``key`` meet together; found once for
-        every rank that names the same regions (the ``_Found``s live as long as the cutter, so
-        their ids name them)."""
+        """What several regions (or groups) of ``key`` meet together; found once for every rank
+        that names the same ones (the ``_Found``s live as long as the cutter, so their ids name
+        them)."""
         ids = tuple(map(id, founds))
         found = self._merged.get(ids)
         if found is None:
