@@ -204,6 +204,21 @@ def test_a_request_the_coordinator_cannot_cut_for_gets_the_whole_index(saved):
     assert cutter.part(requested_regions([ShardedObject("obj", None, (4,), (3,))])) is not None
 
 
+def test_a_malformed_storage_table_gives_no_part(saved):
+    """A storage entry whose index is not a (key, offsets) the cutter can read (an offset that is
+    a number) gives no part: every rank then reads the index itself and its reader names it."""
+    import copy
+
+    metadata = copy.deepcopy(read_dcp_metadata(saved / "ckpt"))
+    index, info = next(iter(metadata.storage_data.items()))
+    bad = copy.copy(index)
+    object.__setattr__(bad, "offset", 7)
+    del metadata.storage_data[index]
+    metadata.storage_data[bad] = info
+    assert IndexCutter(metadata).part(requested_regions(
+        [ShardedTensor.from_rank_offsets("rows.0", torch.zeros(2, 3), (0, 0, WORLD))])) is None
+
+
 @pytest.mark.parametrize("size", [(3, 1, 24), (2, 1, 20), (2, 24)])
 def test_a_reformulated_key_that_does_not_fit_its_shape_is_refused_by_planner_and_cutter(saved, size):
     """A flattened key whose stored size does not fit the original shape (8, 6) recorded for it
