@@ -112,27 +112,25 @@ class _Found:
     one rank asks for costs no pickling of its own), the files they lie in and their (file,
     offset) storage ranges."""
 
-    __slots__ = ("positions", "_entry", "_blob", "_handed_out", "files", "ranges")
+    __slots__ = ("positions", "entry", "files", "ranges", "_sent", "_blob")
 
     def __init__(self, positions: Tuple[int, ...], entry: _TensorEntry, files: FrozenSet[int],
                  ranges: Tuple[Tuple[str, int], ...]) -> None:
         self.positions = positions  # in the key's stored order
-        self._entry: Optional[_TensorEntry] = entry
-        self._blob: Optional[bytes] = None
-        self._handed_out = False
+        self.entry = entry
         self.files = files
         self.ranges = ranges
+        self._sent = False
+        self._blob: Optional[bytes] = None
 
     def wire(self) -> Union[_TensorEntry, bytes]:
         """The entry for one more part: as it is the first time, pickled (once) after that."""
-        if self._blob is not None:
-            return self._blob
-        entry = cast(_TensorEntry, self._entry)
-        if self._handed_out:
-            self._blob, self._entry = pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL), None
-            return self._blob
-        self._handed_out = True
-        return entry
+        if not self._sent:
+            self._sent = True
+            return self.entry
+        if self._blob is None:
+            self._blob = pickle.dumps(self.entry, protocol=pickle.HIGHEST_PROTOCOL)
+        return self._blob
 
 
 class _KeyIndex:
@@ -205,6 +203,20 @@ class _KeyIndex:
         return found
 
 
+class _KeyTables(NamedTuple):
+    """What the cutter keeps of one requested key: its index, the head of its entries in a part
+    (key, properties number, size), its chunks encoded and their (file, offset) storage ranges,
+    in stored order."""
+
+    key_index: _KeyIndex
+    head: Tuple[str, int, Tuple[int, ...]]
+    wire: List[_Chunk]
+    ranges: List[Optional[Tuple[str, int]]]
+
+
+_NO_FILES: FrozenSet[int] = frozenset()
+
+
 class IndexCutter:
     """Cuts parts out of one checked ``Metadata``. What a region meets is found and encoded once
     (``_Found``), when a request first names it, and shared (pickled once) by every request that
@@ -213,20 +225,15 @@ class IndexCutter:
     def __init__(self, metadata: Metadata) -> None:
         self.metadata = metadata
         self.mcore_data = getattr(metadata, "mcore_data", None) or {}
-        self._keys: Dict[str, _KeyIndex] = {}
+        self._keys: Dict[str, _KeyTables] = {}
         self._found: Dict[RequestedRegion, _Found] = {}  # what each region meets
         self._groups: Dict[RegionGroup, _Found] = {}  # what each group meets: data-parallel ranks repeat them
         self._merged: Dict[Tuple[int, ...], _Found] = {}  # what several regions of a key meet together
-        self._files: Dict[str, int] = {}
         self._file_list: List[str] = []
         self._properties: Dict[Tuple[Any, ...], int] = {}
         self._property_list: List[TensorProperties] = []
-        self._head: Dict[str, Tuple[str, int, Tuple[int, ...]]] = {}  # key, properties number, size
         self._file_sets: List[FrozenSet[int]] = []  # {file number}, each made once
-        self._no_file: FrozenSet[int] = frozenset()
         self._where: Optional[Dict[Tuple[str, Optional[Tuple[int, ...]]], _Storage]] = None  # _storage
-        self._chunk_wire: Dict[str, List[_Chunk]] = {}  # each key's chunks encoded, in stored order
-        self._chunk_range: Dict[str, List[Optional[Tuple[str, int]]]] = {}  # and their (file, offset)
 
     def part(self, request: RequestedRegions) -> Optional[IndexPart]:
         """The part of the index ``request`` reads (``content``: a ``CompactIndex``), or None:
@@ -280,14 +287,14 @@ class IndexCutter:
             if found is None:
                 found = self._found[region] = self._find(region)
             founds.append(found)
-        return founds[0] if len(founds) == 1 else self._union(key, founds)
+        return self._union(key, founds)
 
     def _find(self, region: RequestedRegion) -> _Found:
-        index = self._key(region.key)
-        met = index.meeting(region)
+        tables = self._key(region.key)
+        position, met = tables.key_index.position, tables.key_index.meeting(region)
         if len(met) == 1:  # the common case: a region that is a stored chunk
-            return self._ready(region.key, (index.position[id(met[0])],))
-        return self._ready(region.key, tuple(sorted(index.position[id(ch)] for ch in met)))
+            return self._ready(tables, (position[id(met[0])],))
+        return self._ready(tables, tuple(sorted(position[id(ch)] for ch in met)))
 
     def _union(self, key: str, founds: List[_Found]) -> _Found:
         """What several regions (or groups) of ``key`` meet together; found once for every rank
@@ -297,41 +304,38 @@ class IndexCutter:
         found = self._merged.get(ids)
         if found is None:
             positions = tuple(sorted(set(itertools.chain.from_iterable(f.positions for f in founds))))
-            found = self._merged[ids] = self._ready(key, positions)
+            found = self._merged[ids] = self._ready(self._keys[key], positions)
         return found
 
-    def _ready(self, key: str, positions: Tuple[int, ...]) -> _Found:
-        """The chunks at ``positions`` of ``key``, encoded for every part that names them."""
-        wire, where = self._chunk_wire[key], self._chunk_range[key]
-        head = self._head[key]
+    def _ready(self, tables: _KeyTables, positions: Tuple[int, ...]) -> _Found:
+        """The chunks at ``positions`` of a key, encoded for every part that names them."""
+        wire, where = tables.wire, tables.ranges
         if len(positions) == 1:
             chunk, at = wire[positions[0]], where[positions[0]]
-            files = self._no_file if chunk[2] is None else self._file_sets[chunk[2][0]]
-            return _Found(positions, head + ([chunk],), files, () if at is None else (at,))
+            files = _NO_FILES if chunk[2] is None else self._file_sets[chunk[2][0]]
+            return _Found(positions, tables.head + ([chunk],), files, () if at is None else (at,))
         chunks = [wire[i] for i in positions]
         files = frozenset(ch[2][0] for ch in chunks if ch[2] is not None)
         ranges = tuple(r for r in (where[i] for i in positions) if r is not None)
-        return _Found(positions, head + (chunks,), files, ranges)
+        return _Found(positions, tables.head + (chunks,), files, ranges)
 
-    def _key(self, key: str) -> _KeyIndex:
-        index = self._keys.get(key)
-        if index is None:
+    def _key(self, key: str) -> _KeyTables:
+        tables = self._keys.get(key)
+        if tables is None:
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata):
                 raise _CannotCut(key)
             orig = (self.mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
             index = _KeyIndex(key, md, None if orig is None else tuple(orig))
             wire = [self._encode(key, ch) for ch in md.chunks]
-            self._chunk_wire[key] = wire
-            self._chunk_range[key] = [None if w[2] is None else (self._file_list[w[2][0]], w[2][1]) for w in wire]
+            ranges = [None if w[2] is None else (self._file_list[w[2][0]], w[2][1]) for w in wire]
             p = md.properties
             value = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
             if value not in self._properties:
                 self._properties[value] = len(self._property_list)
                 self._property_list.append(p)
-            self._head[key] = (key, self._properties[value], tuple(md.size))
-            self._keys[key] = index
-        return index
+            tables = self._keys[key] = _KeyTables(index, (key, self._properties[value], tuple(md.size)), wire, ranges)
+        return tables
 
     def _encode(self, key: str, ch: ChunkStorageMetadata) -> _Chunk:
         offsets = tuple(ch.offsets)
@@ -349,10 +353,11 @@ class IndexCutter:
         where a ``MetadataIndex`` made and hashed per chunk was a third of cutting 8 ranks'
         parts of 1,000 keys each."""
         where: Dict[Tuple[str, Optional[Tuple[int, ...]]], _Storage] = {}
+        numbers: Dict[str, int] = {}
         for index, info in (self.metadata.storage_data or {}).items():
-            number = self._files.get(info.relative_path)
+            number = numbers.get(info.relative_path)
             if number is None:
-                number = self._files[info.relative_path] = len(self._file_list)
+                number = numbers[info.relative_path] = len(self._file_list)
                 self._file_list.append(info.relative_path)
                 self._file_sets.append(frozenset((number,)))
             try:
