@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import pickle
-from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Dict, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
