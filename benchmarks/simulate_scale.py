@@ -5,7 +5,8 @@ this script builds the sharded state dicts of N ranks of a GPT-175B-like job (96
 12288, TP 8, PP 8, data parallel N/64, the distributed optimizer's flattened ranges, an RNG
 ShardedObject per rank) with meta tensors (no bytes), and runs the code that dist_ckpt's
 ``torch_dist`` save and load run for planning, with each collective replaced by its payloads
-(pickled on the sender, unpickled on the receiver, as ``DistWrapper`` does):
+(pickled on the sender, unpickled on the receiver, as ``DistWrapper`` does), with cyclic garbage
+collection paused as ``dist_ckpt.save`` and ``load`` pause it:
 
 * an ordinary rank: its shard list and local save plan (sent to the coordinator), the structure
   fingerprint a cached save compares, its part of the global plan (received), and at load
@@ -80,6 +81,7 @@ from dist_ckpt.strategies.dcp.plan import (  # noqa: E402
 from dist_ckpt.pipeline.load import manifest_part  # noqa: E402
 from dist_ckpt.sharding.regions import requested_regions  # noqa: E402
 from dist_ckpt.strategies.dcp.index_parts import IndexCutter  # noqa: E402
+from dist_ckpt.utils import gc_paused  # noqa: E402
 from dist_ckpt.validation import summarize_sharding, validate_sharding_summaries  # noqa: E402
 from readme_tables import README, machine_description, markdown_table, replace_section  # noqa: E402
 from run import PeakRss  # noqa: E402
@@ -273,7 +275,7 @@ def simulate(world: int) -> Dict[str, Any]:
     del written
     gc.collect()
 
-    with PeakRss() as rss:
+    with PeakRss() as rss, gc_paused():  # as dist_ckpt.save and load run
         start = time.perf_counter()
         validate_sharding_summaries([pickle.loads(b) for b in shard_lists])
         plans = [pickle.loads(b) for b in local_plans]
@@ -298,18 +300,19 @@ def simulate(world: int) -> Dict[str, Any]:
     verdict = len(pickle.dumps((None, [])))  # (shared result, failures): what a broadcast verdict carries
 
     items = rank_state(ordinary, world)  # the model's work, not the checkpoint's
-    start = time.perf_counter()
-    summary = pickle.dumps(summarize_sharding(items))
-    local_plan = make_local_save_plan(*_main(items))
-    sent = len(summary) + len(pickle.dumps(local_plan))
-    structure_fingerprint(items)
-    make_rank_save_plan(local_plan, pickle.loads(reformulate_bytes))
-    requests = [t for t in items if isinstance(t, ShardedTensor)]
-    plan_tensor_reads(requests, pickle.loads(metadata_bytes))
-    rank_s = time.perf_counter() - start
-    start = time.perf_counter()
-    structure_fingerprint(items)
-    cached_save_s = time.perf_counter() - start
+    with gc_paused():
+        start = time.perf_counter()
+        summary = pickle.dumps(summarize_sharding(items))
+        local_plan = make_local_save_plan(*_main(items))
+        sent = len(summary) + len(pickle.dumps(local_plan))
+        structure_fingerprint(items)
+        make_rank_save_plan(local_plan, pickle.loads(reformulate_bytes))
+        requests = [t for t in items if isinstance(t, ShardedTensor)]
+        plan_tensor_reads(requests, pickle.loads(metadata_bytes))
+        rank_s = time.perf_counter() - start
+        start = time.perf_counter()
+        structure_fingerprint(items)
+        cached_save_s = time.perf_counter() - start
     return {
         "ranks": world,
         "coordinator_s": round(coordinator_s, 3),
