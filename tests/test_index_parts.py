@@ -24,7 +24,8 @@ from dist_ckpt.core import CorruptCheckpointError
 from dist_ckpt.dict_utils import nested_values, tensors_bitwise_equal
 from dist_ckpt.integrity import manifest as manifest_module
 from dist_ckpt.sharding.regions import requested_regions
-from dist_ckpt.strategies.dcp.index_parts import IndexCutter
+from dist_ckpt.sharding.regions import RequestedRegion
+from dist_ckpt.strategies.dcp.index_parts import IndexCutter, _KeyIndex
 from dist_ckpt.strategies.dcp.plan import REFORMULATED_SHAPE_KEY, plan_tensor_reads
 from dist_ckpt.strategies.torch_dist import read_dcp_metadata
 from dist_helpers import run_distributed
@@ -124,6 +125,28 @@ def test_a_ranks_part_of_the_index_is_its_own(saved):
     part_md = cutter.part(requested_regions([flat])).content.to_metadata()
     assert len(part_md.state_dict_metadata["flat"].chunks) == 1
     assert _reads([flat], part_md) == _reads([flat], metadata)
+
+
+def test_a_region_of_one_whole_fragment_meets_what_the_general_search_meets(saved):
+    """The short path for a flat range of one stored fragment (aligned offset, the fragment's
+    shape) finds exactly the chunks the search over every overlapped fragment finds, for
+    aligned, misaligned, outside and other-shaped regions and every flat range."""
+    metadata = read_dcp_metadata(saved / "ckpt")
+    orig = metadata.mcore_data["flat"][REFORMULATED_SHAPE_KEY]
+    key_index = _KeyIndex("flat", metadata.state_dict_metadata["flat"], tuple(orig))
+    assert key_index.local == (4, 6) and key_index.grid == (2, 1)
+    flats = [(a, b) for a in range(0, 25, 3) for b in range(a, 26, 4)]
+    regions = [RequestedRegion("flat", (row, col), shape, flat)
+               for row in (-4, 0, 1, 4, 8) for col in (0, 3) for shape in ((4, 6), (4, 3), (8, 6))
+               for flat in flats]
+    short = 0
+    for region in regions:
+        expected = [id(c) for c in key_index._search_fragments(region)]
+        assert [id(c) for c in key_index.meeting(region)] == expected, region
+        short += key_index._whole_fragment(region.offset) is not None and region.shape == (4, 6)
+    assert short == 2 * len(flats)  # (0, 0) and (4, 0): the stored fragments
+    assert len(key_index.meeting(RequestedRegion("flat", (4, 0), (4, 6), (2, 10)))) == 1  # of [0, 10) and [10, 24)
+    assert len(key_index.meeting(RequestedRegion("flat", (4, 0), (4, 6), (9, 11)))) == 2
 
 
 def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(saved):

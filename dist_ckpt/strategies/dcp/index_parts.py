@@ -181,6 +181,15 @@ class _KeyIndex:
             o < b + n and b < o + z for o, z, b, n in zip(c.offsets, c.sizes, offset, shape))]
 
     def _meeting_fragments(self, region: RequestedRegion) -> List[ChunkStorageMetadata]:
+        if region.flat is not None and region.shape == self.local:
+            fragment = self._whole_fragment(region.offset)
+            if fragment is not None:  # the common case, a distributed optimizer's range of one shard
+                return self._meeting_flat(fragment, region.flat)
+        return self._search_fragments(region)
+
+    def _search_fragments(self, region: RequestedRegion) -> List[ChunkStorageMetadata]:
+        """Every fragment the region's box overlaps: whole, or its flat range where the box is
+        that fragment's."""
         box = Box(region.offset, region.shape)
         if len(box.shape) != len(self.local) or box.numel == 0:
             return []
@@ -193,14 +202,35 @@ class _KeyIndex:
                 continue
             fragment_box = Box(tuple(i * n for i, n in zip(fragment, self.local)), self.local)
             if region.flat is not None and fragment_box == box:  # the same fragment: its flat range
-                start, stop = region.flat
-                starts = self.flat_starts[fragment]
-                lo = bisect.bisect_right(starts, start - self.longest[fragment])
-                hi = bisect.bisect_left(starts, stop)
-                found.extend(c for c in chunks[lo:hi] if c.offsets[-1] + c.sizes[-1] > start)
+                found.extend(self._meeting_flat(fragment, region.flat))
             elif intersect(box, fragment_box) is not None:
                 found.extend(chunks)
         return found
+
+    def _whole_fragment(self, offset: Tuple[int, ...]) -> Optional[Tuple[int, ...]]:
+        """The stored fragment whose box starts at ``offset`` (a region of the local shape), if
+        the offset is aligned to one: then that fragment is the only one it meets (what the
+        general search finds too, at a quarter of its cost: 64,000 such regions at 16,384 ranks)."""
+        if len(offset) != len(self.local) or 0 in self.local:  # an empty region meets nothing: the general search
+            return None
+        fragment = []
+        for o, n, g in zip(offset, self.local, self.grid):
+            i, rest = divmod(o, n)
+            if rest or not 0 <= i < g:
+                return None
+            fragment.append(i)
+        return tuple(fragment)
+
+    def _meeting_flat(self, fragment: Tuple[int, ...], flat: Tuple[int, int]) -> List[ChunkStorageMetadata]:
+        """The chunks of ``fragment`` that overlap its flat range ``[start, stop)``."""
+        chunks = self.fragments.get(fragment)
+        if not chunks:
+            return []
+        start, stop = flat
+        starts = self.flat_starts[fragment]
+        lo = bisect.bisect_right(starts, start - self.longest[fragment])
+        hi = bisect.bisect_left(starts, stop)
+        return [c for c in chunks[lo:hi] if c.offsets[-1] + c.sizes[-1] > start]
 
 
 class _KeyTables(NamedTuple):
