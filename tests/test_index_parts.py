@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -333,10 +334,12 @@ def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
 
     def counted_index(self, path):
         counts["index"] += 1
+        counts["index_thread"] = threading.current_thread().name
         return read_index(self, path)
 
     def counted_parse(raw, where):
         counts["manifest"] += 1
+        counts["manifest_thread"] = threading.current_thread().name
         return parse(raw, where)
 
     files.DcpReader._read_checked_metadata = counted_index
@@ -361,11 +364,13 @@ def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
 def test_ranks_load_from_their_parts_without_reading_the_index(saved):
     """4 ranks (same layout) and 2 ranks (resharded: row halves, a grid's column halves, other
     flat ranges) load bit-exactly; only the coordinator reads and parses ``.metadata`` and the
-    manifest, once each."""
+    manifest, once each, in its prefetching thread (while it waited for the ranks' requests),
+    and the cut and its own load use that reading."""
     for world, resharded in ((WORLD, False), (2, True)):
         results = run_distributed(_load_from_parts, world, str(saved), resharded)
         assert all(r["ok"] for r in results), results
         assert results[0]["index"] == 1 and results[0]["manifest"] == 1, results
+        assert results[0]["index_thread"] == results[0]["manifest_thread"] == "dist_ckpt-index-prefetch", results
         assert all(r["index"] == 0 and r["manifest"] == 0 for r in results[1:]), results
 
 
@@ -413,6 +418,85 @@ def test_a_checkpoint_replaced_after_the_cut_is_not_mixed(saved):
     for message in run_distributed(_replaced_after_the_cut, WORLD, str(saved), True):
         assert isinstance(message, str) and "checksum mismatch" in message, message
     assert run_distributed(_replaced_after_the_cut, WORLD, str(saved), False) == [True] * WORLD
+
+
+def _replaced_after_the_prefetch(rank: int, world: int, root: str) -> bool:
+    """Rank 0 swaps another checkpoint of the same structure in after its prefetching thread
+    read the index and manifest, and before it cuts the parts."""
+    import dist_ckpt.pipeline.load as load_pipeline
+
+    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    ckpt = f"{root}/prefetch-race"
+    if rank == 0:
+        real_cut = load_pipeline._cut_parts
+
+        def cut_after_the_swap(*args):
+            os.rename(ckpt, f"{ckpt}-old")
+            shutil.copytree(f"{root}/other", ckpt)
+            return real_cut(*args)
+
+        load_pipeline._cut_parts = cut_after_the_swap
+        shutil.copytree(f"{root}/ckpt", ckpt)
+    import torch.distributed as dist
+
+    dist.barrier()
+    try:
+        loaded = dist_ckpt.load(_request(rank, world, False), ckpt)
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(f"{ckpt}-old", ignore_errors=True)
+    expected = _request(rank, world, True, 1000.0)
+    return all(tensors_bitwise_equal(loaded[k], expected[k].data) for k in expected if k != "obj")
+
+
+def test_a_checkpoint_replaced_after_the_prefetch_is_read_again(saved):
+    """The coordinator's prefetched index and manifest are the replaced checkpoint's: the cut
+    reads the new files again (the caches are keyed by each file's stamp), and every rank
+    loads the new checkpoint's values, checksums verified."""
+    assert run_distributed(_replaced_after_the_prefetch, WORLD, str(saved)) == [True] * WORLD
+
+
+def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waited_for(saved, tmp_path):
+    """``IndexPrefetch`` fills the caches under the caller's checksum setting (part of their
+    keys), lets a failed reading go (the main thread's reading reports it), and ``wait`` does
+    not return while its reading is held."""
+    from dist_ckpt.integrity.manifest import verification
+    from dist_ckpt.pipeline.prefetch import IndexPrefetch
+    from dist_ckpt.strategies.dcp import files
+    from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+    ckpt = tmp_path / "copy"
+    shutil.copytree(saved / "ckpt", ckpt)
+    files._metadata_cache.clear()
+    with verification(False):
+        prefetch = IndexPrefetch(ckpt, None, None)
+        prefetch.start()
+        prefetch.wait()
+    assert [key[-1] for key in files._metadata_cache if key[0] == str(ckpt / ".metadata")] == [False]
+
+    missing = IndexPrefetch(tmp_path / "missing", None, None)
+    missing.start()
+    missing.wait()  # nothing raised here: the load's own reading names the missing checkpoint
+
+    held, entered = threading.Event(), threading.Event()
+
+    class HeldStrategy(TorchDistLoadShardedStrategy):
+        def prefetch_index(self, checkpoint_dir):
+            entered.set()
+            held.wait(30)
+
+    prefetch = IndexPrefetch(ckpt, HeldStrategy(), None)
+    prefetch.start()
+    assert entered.wait(30)
+    waiter = threading.Thread(target=prefetch.wait)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # the cut would wait for the reading, not read beside it
+    held.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
 
 
 STALL_PG_TIMEOUT = 8  # seconds: the ranks' collective timeout in the stalled-coordinator case

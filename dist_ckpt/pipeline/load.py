@@ -45,6 +45,7 @@ from ..sharding.partition import assemble, split_state_dict
 from ..sharding.regions import RequestedRegions, requested_regions
 from ..storage.object_store import is_url, localize
 from ..strategies.base import IndexPart, LoadCommonStrategy, LoadShardedStrategy
+from .prefetch import IndexPrefetch
 from ..validation import (
     ShardingSummary,
     StrictHandling,
@@ -158,23 +159,34 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
     coordinator alone, which checks every request and sends each rank the verdict
     (``_check_requests``). Ranks that share their cores (``wants_index_part``) then send their
     regions and receive their part of the index and the checksums of the files it names, read
-    once (``_cut_parts``). Then every rank opens the checkpoint. No rank receives every rank's
+    once (``_cut_parts``; the coordinator reads them in a thread while it waits for the first
+    round, ``IndexPrefetch``). Then every rank opens the checkpoint. No rank receives every rank's
     request (``determine_global_metadata`` gives every rank every rank's list: N^2 in all), and
     a rank with a part reads no other rank's entries."""
     if not request.needs_global_metadata:
         return dist.all_run(lambda: _open(request, directory, _split(request)))
     splits: List[_SplitRequest] = []
+    prefetch = IndexPrefetch(directory, request.sharded_strategy, request.common_strategy)
 
     def describe() -> _RankRequest:
         splits.append(_split(request))
-        return _RankRequest(summarize_sharding(splits[0].local_metadata or []), socket.gethostname(), _cores())
+        described = _RankRequest(summarize_sharding(splits[0].local_metadata or []), socket.gethostname(), _cores())
+        if dist.is_coordinator and dist.world_size > 1:  # reads while this rank waits for the others
+            prefetch.start()
+        return described
 
-    verdict: _Verdict = dist.reduce_scatter(describe, lambda everyone: _check_requests(request, everyone))
-    parts: Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]] = (None, None)
-    if verdict.any_part:  # only the ranks that get a part send their regions
-        parts = dist.reduce_scatter(
-            lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None,
-            lambda regions: _cut_parts(request, directory, regions))
+    def cut(regions: List[Optional[RequestedRegions]]) -> List[Tuple[Optional[IndexPart], Optional[ManifestPart]]]:
+        prefetch.wait()
+        return _cut_parts(request, directory, regions)
+
+    try:
+        verdict: _Verdict = dist.reduce_scatter(describe, lambda everyone: _check_requests(request, everyone))
+        parts: Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]] = (None, None)
+        if verdict.any_part:  # only the ranks that get a part send their regions
+            parts = dist.reduce_scatter(
+                lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None, cut)
+    finally:
+        prefetch.wait()
     index_part, sent = parts  # a ManifestPart arrives unpickled as a Manifest (not so without a process group)
     manifest_part = sent.to_manifest() if isinstance(sent, ManifestPart) else sent
     with manifest_given(directory, manifest_part):

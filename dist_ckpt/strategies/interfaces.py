@@ -18,7 +18,8 @@ Call order of a load (``dist_ckpt.load``), on every rank:
 With the access check (the default), for ranks whose host runs more ranks than it has cores,
 the load's coordinator first calls ``LoadShardedStrategy.index_parts(dir, those ranks'
 RequestedRegions)``; a rank whose part it returns gets ``load_with_index_part(sharded_state_dict,
-dir, part)`` instead of ``load``.
+dir, part)`` instead of ``load``. While the coordinator waits for the ranks' requests, a thread
+of its own calls ``LoadShardedStrategy.prefetch_index(dir)``.
 
 Contract for strategies that run collectives of their own (custom strategies read this):
   * ``dist_ckpt`` wraps ``SaveShardedStrategy.save`` (of a strategy that is not an
@@ -179,6 +180,12 @@ class LoadShardedStrategy(LoadStrategyBase):
                              index_part: IndexPart) -> StateDict:
         """``load`` with this rank's part from ``index_parts`` (called only with a part)."""
         return self.load(sharded_state_dict, checkpoint_dir)
+
+    def prefetch_index(self, checkpoint_dir: Path) -> None:
+        """On the load's coordinator, in a thread of its own while it waits for the other ranks'
+        requests (dist_ckpt's extension): read what ``index_parts`` and this rank's ``load``
+        will read, into a cache they consult. Its errors are ignored (the later reading
+        reports them), so it must change nothing but that cache. The default reads nothing."""
 
     @abstractmethod
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:

@@ -426,6 +426,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         cutter = IndexCutter(read_dcp_metadata(Path(checkpoint_dir)))
         return [cutter.part(request) for request in requests]
 
+    def prefetch_index(self, checkpoint_dir: Path) -> None:
+        """``.metadata`` read and checked into the process's cache, which ``index_parts`` and
+        this rank's ``load`` read it from (a changed file is read again: the cache is keyed by
+        its stamp)."""
+        if self._reads_directly():
+            read_dcp_metadata(Path(checkpoint_dir))
+
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
         if not isinstance(index_part.content, CompactIndex) or not self._reads_directly():
