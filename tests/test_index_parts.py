@@ -329,6 +329,7 @@ def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
     from dist_ckpt.strategies.dcp import files
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    load_pipeline.may_want_parts = lambda world_size, cores: True  # read ahead even with a core per rank
     counts = {"index": 0, "manifest": 0}
     read_index, parse = files.DcpReader._read_checked_metadata, manifest_module.parse_manifest
 
@@ -563,3 +564,16 @@ def test_a_request_groups_the_regions_of_a_key_and_names_them_all():
                                        for layer in range(4)] + [
         RequestedRegion("layers.w", (0, 0, 0), (2, 3, 4), None), RequestedRegion("opt", (0, 0), (4, 6), (0, 10)),
         RequestedRegion("opt", (0, 0), (4, 6), (10, 24))]
+
+
+def test_parts_go_to_the_ranks_of_oversubscribed_hosts_and_the_coordinator_reads_ahead_only_then():
+    """A rank gets a part when its host runs more ranks than it has cores; the coordinator
+    reads the index ahead when the job has more ranks than it has cores (some host may be
+    oversubscribed), not in a job that fits its cores."""
+    from dist_ckpt.pipeline.load import may_want_parts, wants_index_part
+
+    hosts = [("a", 2), ("a", 2), ("a", 2), ("b", 4), ("b", 4), ("c", 1)]
+    assert wants_index_part(hosts) == [True, True, True, False, False, False]
+    assert wants_index_part([("a", 2), ("a", 2)]) == [False, False]
+    assert not may_want_parts(2, 2) and not may_want_parts(1, 0)
+    assert may_want_parts(4, 2) and may_want_parts(3, 0)
