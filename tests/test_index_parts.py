@@ -459,10 +459,10 @@ def test_a_checkpoint_replaced_after_the_prefetch_is_read_again(saved):
     assert run_distributed(_replaced_after_the_prefetch, WORLD, str(saved)) == [True] * WORLD
 
 
-def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waited_for(saved, tmp_path):
+def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waited_for(saved, tmp_path, monkeypatch):
     """``IndexPrefetch`` fills the caches under the caller's checksum setting (part of their
-    keys), lets a failed reading go (the main thread's reading reports it), and ``wait`` does
-    not return while its reading is held."""
+    keys), lets a failed reading go (the main thread's reading reports it), does without a
+    thread when none can be started, and ``wait`` does not return while its reading is held."""
     from dist_ckpt.integrity.manifest import verification
     from dist_ckpt.pipeline.prefetch import IndexPrefetch
     from dist_ckpt.strategies.dcp import files
@@ -480,6 +480,15 @@ def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waite
     missing = IndexPrefetch(tmp_path / "missing", None, None)
     missing.start()
     missing.wait()  # nothing raised here: the load's own reading names the missing checkpoint
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", no_thread)
+        threadless = IndexPrefetch(ckpt, None, None)
+        threadless.start()  # the load goes on; its main thread reads the index as it would anyway
+        threadless.wait()
 
     held, entered = threading.Event(), threading.Event()
 

@@ -45,7 +45,6 @@ from ..sharding.partition import assemble, split_state_dict
 from ..sharding.regions import RequestedRegions, requested_regions
 from ..storage.object_store import is_url, localize
 from ..strategies.base import IndexPart, LoadCommonStrategy, LoadShardedStrategy
-from .prefetch import IndexPrefetch
 from ..validation import (
     ShardingSummary,
     StrictHandling,
@@ -54,6 +53,7 @@ from ..validation import (
     validate_sharding_summaries,
     verify_checkpoint_and_load_strategy,
 )
+from .prefetch import IndexPrefetch
 
 __all__ = ["LoadRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint", "open_checkpoint", "read",
            "load_sharded_metadata_with", "wants_index_part", "may_want_parts", "manifest_part"]

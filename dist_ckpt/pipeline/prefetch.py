@@ -44,9 +44,14 @@ class IndexPrefetch:
         if self._thread is not None:
             return
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._read,), daemon=True,
-                                        name="dist_ckpt-index-prefetch")
-        self._thread.start()
+        thread = threading.Thread(target=context.run, args=(self._read,), daemon=True,
+                                  name="dist_ckpt-index-prefetch")
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had: the main thread reads, as without this
+            logger.debug("not prefetching the index of %s: %s", self.directory, exc)
+            return
+        self._thread = thread
 
     def wait(self) -> None:
         if self._thread is not None:
