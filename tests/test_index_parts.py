@@ -375,25 +375,29 @@ def test_ranks_load_from_their_parts_without_reading_the_index(saved):
         assert all(r["index"] == 0 and r["manifest"] == 0 for r in results[1:]), results
 
 
-def _replaced_after_the_cut(rank: int, world: int, root: str, verify: bool) -> object:
-    """Rank 0 swaps another checkpoint of the same structure in after the coordinator cut the
-    parts and before any rank opens it (both ranks wait for the swap)."""
+def _load_with_a_replacement(rank: int, world: int, root: str, name: str, step: str, verify: bool) -> object:
+    """Load a copy of ``ckpt`` with parts while rank 0 swaps ``other`` (the same structure, other
+    values) in for it just before ``step`` of ``pipeline.load`` runs (``_open`` runs on every
+    rank, and all wait for the swap). Returns the error's message, or whether every value is the
+    other checkpoint's."""
     import torch.distributed as dist
 
     import dist_ckpt.pipeline.load as load_pipeline
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
-    real_open = load_pipeline._open
-    ckpt = f"{root}/race-{verify}"
+    load_pipeline.may_want_parts = lambda world_size, cores: True  # the coordinator reads ahead
+    ckpt = f"{root}/{name}"
+    real_step = getattr(load_pipeline, step)
 
-    def open_after_the_swap(*args):
+    def after_the_swap(*args):
         if rank == 0:
             os.rename(ckpt, f"{ckpt}-old")
             shutil.copytree(f"{root}/other", ckpt)
-        dist.barrier()
-        return real_open(*args)
+        if step == "_open":
+            dist.barrier()
+        return real_step(*args)
 
-    load_pipeline._open = open_after_the_swap
+    setattr(load_pipeline, step, after_the_swap)
     if rank == 0:
         shutil.copytree(f"{root}/ckpt", ckpt)
     dist.barrier()
@@ -406,8 +410,7 @@ def _replaced_after_the_cut(rank: int, world: int, root: str, verify: bool) -> o
         if rank == 0:
             shutil.rmtree(ckpt, ignore_errors=True)
             shutil.rmtree(f"{ckpt}-old", ignore_errors=True)
-    # without checksums: every value is the other checkpoint's (same structure, same offsets)
-    expected = _request(rank, world, True, 1000.0)
+    expected = _request(rank, world, True, 1000.0)  # the other checkpoint's: same structure, same offsets
     return all(tensors_bitwise_equal(loaded[k], expected[k].data) for k in expected if k != "obj")
 
 
@@ -416,47 +419,20 @@ def test_a_checkpoint_replaced_after_the_cut_is_not_mixed(saved):
     ranks' reads: with checksums (the default) every rank refuses (the parts' checksums are the
     replaced checkpoint's); without them, every rank loads the new checkpoint's values whole,
     never a mix of the two."""
-    for message in run_distributed(_replaced_after_the_cut, WORLD, str(saved), True):
-        assert isinstance(message, str) and "checksum mismatch" in message, message
-    assert run_distributed(_replaced_after_the_cut, WORLD, str(saved), False) == [True] * WORLD
-
-
-def _replaced_after_the_prefetch(rank: int, world: int, root: str) -> bool:
-    """Rank 0 swaps another checkpoint of the same structure in after its prefetching thread
-    read the index and manifest, and before it cuts the parts."""
-    import dist_ckpt.pipeline.load as load_pipeline
-
-    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
-    ckpt = f"{root}/prefetch-race"
-    if rank == 0:
-        real_cut = load_pipeline._cut_parts
-
-        def cut_after_the_swap(*args):
-            os.rename(ckpt, f"{ckpt}-old")
-            shutil.copytree(f"{root}/other", ckpt)
-            return real_cut(*args)
-
-        load_pipeline._cut_parts = cut_after_the_swap
-        shutil.copytree(f"{root}/ckpt", ckpt)
-    import torch.distributed as dist
-
-    dist.barrier()
-    try:
-        loaded = dist_ckpt.load(_request(rank, world, False), ckpt)
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(ckpt, ignore_errors=True)
-            shutil.rmtree(f"{ckpt}-old", ignore_errors=True)
-    expected = _request(rank, world, True, 1000.0)
-    return all(tensors_bitwise_equal(loaded[k], expected[k].data) for k in expected if k != "obj")
+    for verify in (True, False):
+        outcomes = run_distributed(_load_with_a_replacement, WORLD, str(saved), f"race-{verify}", "_open", verify)
+        if verify:
+            assert all(isinstance(m, str) and "checksum mismatch" in m for m in outcomes), outcomes
+        else:
+            assert outcomes == [True] * WORLD
 
 
 def test_a_checkpoint_replaced_after_the_prefetch_is_read_again(saved):
     """The coordinator's prefetched index and manifest are the replaced checkpoint's: the cut
     reads the new files again (the caches are keyed by each file's stamp), and every rank
     loads the new checkpoint's values, checksums verified."""
-    assert run_distributed(_replaced_after_the_prefetch, WORLD, str(saved)) == [True] * WORLD
+    outcomes = run_distributed(_load_with_a_replacement, WORLD, str(saved), "prefetch-race", "_cut_parts", True)
+    assert outcomes == [True] * WORLD, outcomes
 
 
 def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waited_for(saved, tmp_path, monkeypatch):
