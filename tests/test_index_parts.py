@@ -488,21 +488,26 @@ def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waite
 STALL_PG_TIMEOUT = 8  # seconds: the ranks' collective timeout in the stalled-coordinator case
 
 
-def _load_with_a_stalled_cut(rank: int, world: int, root: str) -> tuple:
-    """The coordinator stalls while cutting the parts (longer than the collective timeout)."""
+def _load_with_a_stalled_cut(rank: int, world: int, root: str, stalled_step: str) -> tuple:
+    """The coordinator stalls (longer than the collective timeout) while cutting the parts, or
+    in its read-ahead of the index, which the cut waits for."""
     import time
 
     import dist_ckpt.pipeline.load as load_pipeline
+    from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    load_pipeline.may_want_parts = lambda world_size, cores: True
     if rank == 0:
-        original = load_pipeline._cut_parts
+        owner, name = ((load_pipeline, "_cut_parts") if stalled_step == "cut"
+                       else (TorchDistLoadShardedStrategy, "prefetch_index"))
+        original = getattr(owner, name)
 
         def stalled(*args, **kwargs):
             time.sleep(STALL_PG_TIMEOUT * 3)  # alive, but the other ranks wait for the parts
             return original(*args, **kwargs)
 
-        load_pipeline._cut_parts = stalled
+        setattr(owner, name, stalled)
     start = time.monotonic()
     try:
         dist_ckpt.load(_request(rank, WORLD, False), f"{root}/ckpt")
@@ -512,14 +517,16 @@ def _load_with_a_stalled_cut(rank: int, world: int, root: str) -> tuple:
 
 
 @pytest.mark.slow
-def test_a_coordinator_stalled_while_cutting_fails_every_rank_within_the_timeout(saved):
-    """A coordinator that stalls while cutting the parts (a slow file system, a paused process):
-    the ranks waiting for their parts fail with our error once the collective timeout passes,
-    and the coordinator fails when it gets to the collective; no rank hangs, none loads."""
+@pytest.mark.parametrize("stalled_step", ["cut", "read-ahead"])
+def test_a_coordinator_stalled_while_cutting_fails_every_rank_within_the_timeout(saved, stalled_step):
+    """A coordinator that stalls while cutting the parts or reading the index ahead (a slow
+    file system, a paused process): the ranks waiting for their parts fail with our error once
+    the collective timeout passes, and the coordinator fails when it gets to the collective; no
+    rank hangs, none loads."""
     from dist_ckpt.runtime.launch import run_processes
 
-    outcomes = run_processes(_load_with_a_stalled_cut, WORLD, str(saved), collective_timeout_s=STALL_PG_TIMEOUT,
-                             deadline_s=90)
+    outcomes = run_processes(_load_with_a_stalled_cut, WORLD, str(saved), stalled_step,
+                             collective_timeout_s=STALL_PG_TIMEOUT, deadline_s=90)
     assert all(o.exitcode == 0 for o in outcomes), outcomes  # every rank returned: none hung
     assert all(o.result[0] == "CheckpointingException" for o in outcomes), outcomes
     assert all("collective" in o.result[1] for o in outcomes), outcomes
