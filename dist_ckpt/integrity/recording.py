@@ -139,7 +139,16 @@ class HashingWriter:
     def fileno(self) -> int:
         return self._raw.fileno()
 
-    def start_item(self) -> None:
+    def start_item(self, align: int = 1) -> None:
+        """Begin an item at the next multiple of ``align`` bytes (zeros before it, in no item)."""
+        padding = -self._pos % align
+        if padding:
+            try:
+                self._raw.write(bytes(padding))
+            except OSError as e:
+                self.error = self.error or e
+                raise
+            self._pos += padding
         self._start = self._pos
         self._hasher.reset()
         self._blocks = None

@@ -55,6 +55,7 @@ __all__ = [
 DCP_METADATA_FNAME = ".metadata"
 MAX_DCP_METADATA_BYTES = 8 << 30  # far above the index of any real model; checked with stat
 DCP_FORMAT_VERSION = "1.0.0"  # what DCP (and Megatron-Core) record in Metadata.version
+ITEM_ALIGNMENT = 64  # items start at a multiple of this many bytes (``write_dcp_file`` says why)
 
 ItemData = Union[torch.Tensor, io.BytesIO]
 
@@ -83,12 +84,19 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
 
 def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
                    recorder: Recorder, zip_crc32: bool = True) -> List[WriteResult]:
-    """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync."""
+    """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync.
+
+    Each item starts at a multiple of ``ITEM_ALIGNMENT`` bytes (zeros in between, in no item:
+    every reader, torch's included, reads an item by its offset and length), so a tensor's data,
+    which torch's zip format aligns within the item, is 64-byte aligned in the file as in the
+    destination tensor: the kernel copied 540 MiB of misaligned data from the page cache in
+    59 ms against 45 ms aligned (2 ranks at once), and a warm 2-rank load of the benchmark's
+    state took 120 ms instead of 130."""
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
         for item in items:
-            stream.start_item()
+            stream.start_item(ITEM_ALIGNMENT)
             data = resolve(item)
             if isinstance(data, io.BytesIO):  # a BYTE_IO item
                 stream.write(data.getbuffer())

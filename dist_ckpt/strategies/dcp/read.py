@@ -41,6 +41,7 @@ __all__ = ["ItemGroup", "read_item_groups", "copy_region", "copy_in_this_thread"
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
 SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
 COALESCE = 8 << 20  # neighbouring small items are read together, up to this many bytes a call
+RUN_GAP = 64  # ... when fewer bytes than this lie between them (a writer's alignment padding)
 _HEAD = 4096  # a blob's first bytes: its zip headers and data.pkl, up to the tensor's data
 # rows at least this long are read straight into a strided destination (a column slice, as
 # resharding a TP split makes); narrower ones go through the scratch buffer and one strided
@@ -109,18 +110,17 @@ def _read_into(fd: int, view: memoryview, offset: int, path: Path, hasher: Any) 
 
 def _runs(groups: List[ItemGroup]) -> List[List[ItemGroup]]:
     """Groups in order, neighbouring small ones of one file (each starting where the previous
-    ends) joined into runs of at most COALESCE bytes."""
+    ends, or after the writer's alignment padding: less than RUN_GAP bytes) joined into runs of
+    at most COALESCE bytes."""
     runs: List[List[ItemGroup]] = []
-    size = 0
     for g in groups:
         prev = runs[-1][-1] if runs else None
         if (prev is not None and g.length <= SMALL_BLOB and prev.length <= SMALL_BLOB and prev.file == g.file
-                and prev.offset + prev.length == g.offset and size + g.length <= COALESCE):
+                and 0 <= g.offset - (prev.offset + prev.length) < RUN_GAP
+                and g.offset + g.length - runs[-1][0].offset <= COALESCE):
             runs[-1].append(g)
-            size += g.length
         else:
             runs.append([g])
-            size = g.length
     return runs
 
 
