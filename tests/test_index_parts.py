@@ -451,7 +451,7 @@ def test_the_prefetch_reads_in_the_callers_context_ignores_failures_and_is_waite
         prefetch = IndexPrefetch(ckpt, None, None)
         prefetch.start()
         prefetch.wait()
-    assert [key[-1] for key in files._metadata_cache if key[0] == str(ckpt / ".metadata")] == [False]
+    assert [key[-1] for key in files._metadata_cache.keys() if key[0] == str(ckpt / ".metadata")] == [False]
 
     missing = IndexPrefetch(tmp_path / "missing", None, None)
     missing.start()

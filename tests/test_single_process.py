@@ -418,3 +418,40 @@ def test_unknown_fields_in_metadata_json_are_logged_and_ignored(two_key_ckpt, ca
         plain = dist_ckpt.load_plain_tensors(two_key_ckpt)
     assert torch.equal(plain["a"], torch.ones(2))
     assert "future_field" in caplog.text
+
+
+def test_parsed_index_files_are_kept_for_the_last_few_file_versions_only(tmp_path):
+    """A process that loads one checkpoint after another (an evaluation job), or reads a
+    directory that is saved into again and again, keeps the parsed ``.metadata`` and manifest of
+    the 8 file versions it used last, not of every one it ever read; a rewritten file is parsed
+    again (its new content is what the next read returns)."""
+    from dist_ckpt.integrity import manifest
+    from dist_ckpt.runtime.file_cache import ParsedFileCache
+    from dist_ckpt.strategies import cached_metadata_filesystem_reader as cached_reader
+    from dist_ckpt.strategies.dcp import files
+
+    for cache in (files._metadata_cache, manifest._manifest_cache, cached_reader._cache):
+        cache.clear()
+    for i in range(12):  # one checkpoint after another
+        directory = tmp_path / f"step{i}"
+        dist_ckpt.save({"t": ShardedTensor.from_rank_offsets("t", torch.arange(6.0) + i)}, directory)
+        loaded = dist_ckpt.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(6))}, directory)
+        assert torch.equal(loaded["t"], torch.arange(6.0) + i)
+    held = lambda cache: {Path(key[0]).parent.name for key in cache.keys()}  # noqa: E731
+    assert held(files._metadata_cache) == held(manifest._manifest_cache) == {f"step{i}" for i in range(4, 12)}
+
+    same = tmp_path / "same"
+    for n in range(1, 13):  # one directory, saved into again and again
+        dist_ckpt.save({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(n))}, same)
+        metadata = cached_reader.CachedMetadataFileSystemReader(same).read_metadata()
+        assert tuple(metadata.state_dict_metadata["t"].size) == (n,)
+    assert len(cached_reader._cache) == 8 and len(files._metadata_cache) == 8
+
+    lru: ParsedFileCache[str] = ParsedFileCache(2)
+    lru.put("a", "A")
+    lru.put("b", "B")
+    assert lru.get("a") == "A"  # used last: "b" goes first
+    lru.put("c", "C")
+    assert lru.keys() == ["a", "c"] and lru.get("b") is None
+    with pytest.raises(ValueError, match="at least 1 entry"):
+        ParsedFileCache(0)

@@ -27,13 +27,13 @@ import json
 import logging
 import os
 import pickle
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
 from ..core import CorruptCheckpointError
 from ..runtime.durable import atomic_write_bytes
+from ..runtime.file_cache import ParsedFileCache
 from .recording import (  # the writing side, re-exported: callers import them from here too
     HASH_ALGORITHM,
     BlockHashes,
@@ -338,8 +338,7 @@ def update_manifest(checkpoint_dir: Path, drop: "Callable[[ManifestEntry], bool]
     write_manifest(Path(checkpoint_dir), kept + add)
 
 
-_manifest_cache: Dict[str, Tuple[Tuple[int, int], Optional[Manifest]]] = {}
-_manifest_lock = threading.Lock()
+_manifest_cache: ParsedFileCache[Manifest] = ParsedFileCache(8)  # per manifest file version
 _logged_missing: set = set()
 
 
@@ -381,16 +380,14 @@ def _manifest_on_disk(checkpoint_dir: Union[str, os.PathLike]) -> Optional[Manif
             logger.info("%s has no %s (written by Megatron-Core or an older dist_ckpt): checksums not verified",
                         checkpoint_dir, MANIFEST_FNAME)
         return None
-    stamp = (st.st_mtime_ns, st.st_size)
-    with _manifest_lock:
-        cached = _manifest_cache.get(key)
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
+    version = (key, st.st_ino, st.st_mtime_ns, st.st_size)
+    cached = _manifest_cache.get(version)
+    if cached is not None:
+        return cached
     if st.st_size > _MAX_MANIFEST_BYTES:  # refused by its size, before reading it
         raise CorruptCheckpointError(f"{path} is {st.st_size} bytes, larger than any manifest dist_ckpt writes")
     manifest = parse_manifest(path.read_bytes(), str(path))
-    with _manifest_lock:
-        _manifest_cache[key] = (stamp, manifest)
+    _manifest_cache.put(version, manifest)
     return manifest
 
 

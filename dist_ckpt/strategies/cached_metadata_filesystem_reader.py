@@ -10,19 +10,18 @@ rewritten ``.metadata`` is read again.
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Union
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..runtime.file_cache import ParsedFileCache
 from .dcp.files import DcpReader
 
 __all__ = ["CachedMetadataFileSystemReader"]
 
-_cache: Dict[Tuple[str, int, int], Metadata] = {}
-_lock = threading.Lock()
+_cache: ParsedFileCache[Metadata] = ParsedFileCache(8)  # per .metadata version
 
 
 class CachedMetadataFileSystemReader(FileSystemReader):
@@ -35,10 +34,8 @@ class CachedMetadataFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         st = self._metadata_path.stat()
         key = (str(self._metadata_path.resolve()), st.st_mtime_ns, st.st_size)
-        with _lock:
-            cached = _cache.get(key)
+        cached = _cache.get(key)
         if cached is None:
             cached = DcpReader(self._metadata_path.parent).read_metadata()  # size-checked, allowlisted
-            with _lock:
-                _cache[key] = cached
+            _cache.put(key, cached)
         return cached

@@ -38,6 +38,7 @@ from ...core import CheckpointNotFoundError, CorruptCheckpointError
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.durable import atomic_write_bytes, fsync_directory
+from ...runtime.file_cache import ParsedFileCache
 from .metadata import MCoreMetadata, MCoreSavePlan
 from .read import ItemGroup, copy_region, read_item_groups
 from .record import write_tensor_record
@@ -227,9 +228,7 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
             )
 
 
-_METADATA_CACHE_ENTRIES = 8
-_metadata_cache: Dict[Tuple[Any, ...], Metadata] = {}  # oldest first
-_metadata_lock = threading.Lock()
+_metadata_cache: ParsedFileCache[Metadata] = ParsedFileCache(8)  # the checked index, per .metadata version
 
 
 class DcpReader(FileSystemReader):
@@ -250,14 +249,10 @@ class DcpReader(FileSystemReader):
             raise CheckpointNotFoundError(f"{path} is missing: not a complete torch_dist checkpoint") from None
         # checked (or not) with the verification setting of this call: that is part of the key
         key = (os.path.abspath(path), st.st_ino, st.st_mtime_ns, st.st_size, verification_enabled())
-        with _metadata_lock:
-            cached = _metadata_cache.get(key)
+        cached = _metadata_cache.get(key)
         if cached is None:
             cached = self._read_checked_metadata(path)
-            with _metadata_lock:
-                _metadata_cache[key] = cached
-                while len(_metadata_cache) > _METADATA_CACHE_ENTRIES:
-                    _metadata_cache.pop(next(iter(_metadata_cache)))
+            _metadata_cache.put(key, cached)
         return copy.copy(cached)  # callers may replace its tables (remove_sharded_tensors), not ours
 
     def _read_checked_metadata(self, path: Path) -> Metadata:
