@@ -139,6 +139,7 @@ _SAVE_SCRIPT = textwrap.dedent("""
     import dist_ckpt.storage.commit as commit
 
     target, version, moment = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even if started in the background
     state = {f"layer{i}": ShardedTensor.from_rank_offsets(f"layer{i}", torch.full((64, 1 << 20), version))
              for i in range(2)}  # 512 MiB
     state["step"] = version
@@ -304,6 +305,9 @@ def test_a_ctrl_c_while_ranks_start_is_the_callers_once_they_all_run(tmp_path: P
     seen = tmp_path / "seen.json"
     rank = multiprocessing.get_context("spawn").Process(target=_report_sigint_handling,
                                                         args=(str(seen), os.getpid()))
+    # Ctrl-C raises here as in a terminal, even when the tests run in a background job (which
+    # starts with SIGINT ignored, and then a Ctrl-C is rightly nobody's)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             launch._start([CtrlCWhileStarting(), rank])  # type: ignore[list-item]
@@ -311,6 +315,7 @@ def test_a_ctrl_c_while_ranks_start_is_the_callers_once_they_all_run(tmp_path: P
         rank.join(60)
         assert rank.exitcode == 0
     finally:
+        signal.signal(signal.SIGINT, previous)
         launch._end([rank])
     assert json.loads(seen.read_text()) == {"at_start": {"blocked": True, "ignored": False},
                                             "after_detach": {"blocked": False, "ignored": True}}
