@@ -110,13 +110,18 @@ class HashingWriter:
             self._blocks.update(view, self._hasher)  # both hashes, block by block (in cache)
         else:
             self._hasher.update(view)
+        written = self._write_raw(view)
+        return written if written is not None else len(view)
+
+    def _write_raw(self, view: Any) -> Optional[int]:
+        """Write to the file unhashed, keeping the first error (torch.save hides it)."""
         try:
             written = self._raw.write(view)
         except OSError as e:
             self.error = self.error or e
             raise
         self._pos += len(view)
-        return written if written is not None else len(view)
+        return written
 
     def tell(self) -> int:
         return self._pos
@@ -143,12 +148,7 @@ class HashingWriter:
         """Begin an item at the next multiple of ``align`` bytes (zeros before it, in no item)."""
         padding = -self._pos % align
         if padding:
-            try:
-                self._raw.write(bytes(padding))
-            except OSError as e:
-                self.error = self.error or e
-                raise
-            self._pos += padding
+            self._write_raw(bytes(padding))
         self._start = self._pos
         self._hasher.reset()
         self._blocks = None
