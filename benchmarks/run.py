@@ -19,7 +19,10 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   cannot reshard are not measured);
   load_resharded_4to2 / _2to4   dist_ckpt: a 4-rank checkpoint loaded by 2 ranks and a 2-rank
                   one by 4, each in turn with the same-layout load on as many ranks
-                  (load_same_2ranks / _4ranks): the same bytes per rank, cold cache;
+                  (load_same_2ranks / _4ranks): the same bytes per rank, cold cache; on 2
+                  ranks raw file I/O of the same state and the load's floor take turns too:
+                  every byte of the same-layout checkpoint's files read and hashed in 2
+                  threads, nothing planned (floor's load_same_2ranks);
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -516,12 +519,51 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
+def _bare_read(files: List[Path], buffers: List[torch.Tensor], lanes: int = 2) -> None:
+    """The floor of a same-layout load of dist_ckpt's files: every byte of ``files`` read with
+    preadv in 16 MiB pieces into ``buffers`` (touched, one per file) and hashed with xxh3, the
+    files' bytes split in ``lanes`` threads (the reader's default 2), nothing else: no index,
+    no planning, no per-tensor work. What any reader of these files that checks them must do."""
+    import xxhash
+
+    piece = 16 << 20
+    ranges = [(f, b, start, min(start + piece, b.numel())) for f, b in zip(files, buffers)
+              for start in range(0, b.numel(), piece)]
+    share = -(-len(ranges) // lanes)
+
+    def read(part: List[tuple]) -> None:
+        fds: Dict[Path, int] = {}
+        try:
+            for f, buffer, start, end in part:
+                fd = fds.get(f)
+                if fd is None:
+                    fd = fds[f] = os.open(f, os.O_RDONLY)
+                view = memoryview(buffer[start:end].numpy())
+                done = 0
+                while done < len(view):
+                    done += os.preadv(fd, [view[done:]], start + done)
+                xxhash.xxh3_64(view).digest()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    threads = [threading.Thread(target=read, args=(ranges[i * share:(i + 1) * share],)) for i in range(1, lanes)]
+    for t in threads:
+        t.start()
+    read(ranges[:share])
+    for t in threads:
+        t.join()
+
+
 def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, measure: bool) -> Times:
     """Save the state as a ``world``-rank dist_ckpt checkpoint (``reshard-<world>``); with
     ``measure``, load in turn this checkpoint (same layout) and the other rank count's
     (resharded: 4 -> 2 or 2 -> 4 ranks), cold cache. Both loads read the same bytes per rank
     (the whole state over ``world`` ranks), so their ratio is what resharding itself costs;
-    ``load_resharded`` (1 rank reads all) also has one reader process instead of 2."""
+    ``load_resharded`` (1 rank reads all) also has one reader process instead of 2. On 2 ranks
+    two more loads take their turns: raw file I/O of the same state and the bare-bones read of
+    the same-layout checkpoint's files (``_bare_read``), for the ratios ours / floor / raw
+    without a save just before any of them."""
     state = model_state(size_mib, rank, world)
     own = Path(root) / f"reshard-{world}"
     times: Times = {}
@@ -529,18 +571,29 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         dist_ckpt.save(_sharded(state, rank, world), own)
         return times
     other_world = 4 if world == 2 else 2
-    loads = [(f"load_same_{world}ranks", own), (f"load_resharded_{other_world}to{world}",
-                                                 Path(root) / f"reshard-{other_world}")]
+    loads: List[tuple] = [("dist_ckpt", f"load_same_{world}ranks", own),
+                          ("dist_ckpt", f"load_resharded_{other_world}to{world}", Path(root) / f"reshard-{other_world}")]
     targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
+    extra: Dict[str, Callable[[Path], None]] = {}
+    if world == 2:
+        raw_save, extra["raw"] = _tools(state, rank, world)["raw"]
+        raw_dir = Path(root) / "reshard-raw"
+        raw_save(raw_dir)
+        del raw_save  # it holds the state's tensors
+        files = sorted(own.glob(f"__{rank}_*.distcp"))
+        buffers = [torch.zeros(f.stat().st_size, dtype=torch.uint8) for f in files]
+        extra["floor"] = lambda d: _bare_read(files, buffers)
+        loads += [("raw", "load_same_2ranks", raw_dir), ("floor", "load_same_2ranks", own)]
     del state
     for r in range(repeat + 1):  # round 0: warm-up, discarded
-        for phase, ckpt in (loads if r % 2 else loads[::-1]):
+        for tool, phase, ckpt in loads[r % len(loads):] + loads[:r % len(loads)]:
             if rank == 0:
                 drop_page_cache(ckpt)
-            request = _sharded(targets, rank, world)
-            seconds = _timed(lambda: dist_ckpt.load(request, ckpt))
+            request = _sharded(targets, rank, world) if tool == "dist_ckpt" else None
+            load = extra.get(tool) or (lambda d: dist_ckpt.load(request, d))
+            seconds = _timed(lambda: load(ckpt))
             if r > 0:
-                _add(times, "dist_ckpt", phase, seconds)
+                _add(times, tool, phase, seconds)
     return times
 
 
@@ -694,6 +747,12 @@ def _ratios(results: Times) -> str:
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
                      + f", step slowdown {med['async_step_slowdown']:+.1%}")
     floor = {k: statistics.median(v) for k, v in results.get("floor", {}).items()}
+    raw_beside, floor_beside = raw.get("load_same_2ranks"), floor.get("load_same_2ranks")
+    if raw_beside and floor_beside and "load_same_2ranks" in med:
+        ours_beside = med["load_same_2ranks"]
+        parts.append(f"same-layout load on 2 ranks, in turn with raw I/O and the bare-bones read of the same files: "
+                     f"{statistics.median(raw_beside) / ours_beside:.2f} of raw, {floor_beside / ours_beside:.2f} of the "
+                     f"bare-bones read, which reads at {statistics.median(raw_beside) / floor_beside:.2f} of raw")
     if "async_step_slowdown" in floor and "async_step_slowdown" in med:
         ratio = med["async_step_slowdown"] / floor["async_step_slowdown"] if floor["async_step_slowdown"] > 0 else 0
         parts.append(f"async step slowdown {med['async_step_slowdown']:+.1%} against a bare writer's "
@@ -757,22 +816,26 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, machine: str) -> Lis
         values = results.get(tool, {}).get(phase)
         return statistics.median(values) if values else None
 
+    ours = lambda text: ["", "", "", "", text]  # noqa: E731 - a row with dist_ckpt's cell only
     rows = []
     for phase, label, spread in (("save", "save, until durable", True), ("load", "load, same layout, cold cache", True),
                                  ("load_cached", "load from page cache", False),
                                  ("load_resharded", "load resharded 2 -> 1 rank, cold cache", True),
-                                 ("load_same_2ranks", "load, same layout, cold cache (2 ranks, beside the next row)", True),
+                                 ("load_same_2ranks", "load, same layout, cold cache (2 ranks, in turn with the next "
+                                                      "two rows)", True),
                                  ("load_resharded_4to2", "load resharded 4 -> 2 ranks, cold cache", True),
                                  ("load_same_4ranks", "load, same layout, cold cache (4 ranks, beside the next row)", True),
                                  ("load_resharded_2to4", "load resharded 2 -> 4 ranks, cold cache", True)):
         cells = [stats(tool, phase, spread) for tool, _ in _COLUMNS]
         if any(cells):
             rows.append([label, *cells])
+        if phase == "load_same_2ranks" and stats("floor", phase):
+            rows.append(["the floor of the row above: the same files read whole and hashed in 2 threads, nothing "
+                         "planned", *ours(stats("floor", phase))])
     if any(med(tool, "save_mem") is not None for tool, _ in _COLUMNS):
         rows.append(["peak extra memory, save / load (MiB)",
                      *[f"{med(t, 'save_mem'):.0f} / {med(t, 'load_mem'):.0f}" if med(t, "save_mem") is not None else ""
                        for t, _ in _COLUMNS]])
-    ours = lambda text: ["", "", "", "", text]  # noqa: E731 - a row with dist_ckpt's cell only
     if med("dist_ckpt", "async_blocked") is not None:
         floor = med("floor", "async_blocked")
         beyond = med("dist_ckpt", "async_blocked_beyond_copy")
