@@ -577,8 +577,8 @@ def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, mo
                                 tmp_path / name)
         assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items()), name
         data_reads = calls if name == "small" else [n for n in calls if n > 4 * 300_000]
-        # the small ones: one call per reader thread (the default 2) for all 40; the large: one each
-        assert len(data_reads) == (2 if name == "small" else 3), (name, calls)
+        # the small ones: one call per reader thread (READ_THREADS by default) for all 40; the large: one each
+        assert len(data_reads) == (read.READ_THREADS if name == "small" else 3), (name, calls)
 
 
 def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
@@ -616,6 +616,66 @@ def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 'w'"):
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
                        tmp_path / "c")
+
+
+def test_scratch_pool_lends_each_buffer_to_one_thread_at_a_time():
+    """A reader thread that needs a large scratch buffer while all of the pool's are lent
+    waits until one is given back, and then gets that one (kept for the next chunk)."""
+    import threading
+
+    from dist_ckpt.strategies.dcp.read import _ScratchPool
+
+    pool = _ScratchPool(2)
+    first, second = pool.take(), pool.take()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take()))
+    waiter.start()
+    waiter.join(timeout=0.3)
+    assert waiter.is_alive() and not got  # both lent: it waits
+    second.resize_(16)
+    pool.give(second)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and got[0] is second
+    pool.give(first)
+    pool.give(got[0])
+
+
+def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path, monkeypatch):
+    """With READ_THREADS reader threads, chunks read through scratch memory (column halves of
+    narrow rows, loaded whole) borrow the pool's SCRATCH_BUFFERS buffers: never more are in use
+    at once, however many threads read, and every tensor loads bit-exact."""
+    from dist_ckpt.strategies.dcp import read
+
+    assert read.READ_THREADS > read.SCRATCH_BUFFERS
+    lent = {"now": 0, "most": 0, "takes": 0}
+    lock = __import__("threading").Lock()
+    real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
+
+    def take(self):
+        buffer = real_take(self)
+        with lock:
+            lent["now"] += 1
+            lent["takes"] += 1
+            lent["most"] = max(lent["most"], lent["now"])
+        return buffer
+
+    def give(self, buffer):
+        with lock:
+            lent["now"] -= 1
+        real_give(self, buffer)
+
+    monkeypatch.setattr(read._ScratchPool, "take", take)
+    monkeypatch.setattr(read._ScratchPool, "give", give)
+    gen = torch.Generator().manual_seed(11)
+    full = {f"m{i}": torch.randn(2048, 512, generator=gen) for i in range(16)}  # halves: 1 KiB rows, 2 MiB
+    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 256:(h + 1) * 256].clone(), (1, h, 2))
+              for k, t in full.items() for h in range(2)}
+    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
+                            tmp_path / "c")
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    assert lent["takes"] == 2 * len(full) and lent["now"] == 0, lent  # one loan per chunk, all given back
+    assert 1 <= lent["most"] <= read.SCRATCH_BUFFERS, lent
 
 
 def test_copy_in_this_thread_equals_torch_copy():

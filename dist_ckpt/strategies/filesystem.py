@@ -56,6 +56,7 @@ from ..storage.commit import StagedSave, begin_save, commit_staged
 from ..storage.object_store import is_url
 from .common import TorchCommonSaveStrategy
 from .dcp.files import DcpReader, write_dcp_files, write_dcp_metadata
+from .dcp.read import READ_THREADS
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -245,7 +246,7 @@ class FileSystemReader(DcpReader):
         thread_count: reader threads per rank.
     """
 
-    def __init__(self, path: Optional[PathLike] = None, thread_count: int = 2) -> None:
+    def __init__(self, path: Optional[PathLike] = None, thread_count: int = READ_THREADS) -> None:
         super().__init__("" if path is None else _local_path(path, type(self).__name__), thread_count)
         self._has_path = path is not None
 

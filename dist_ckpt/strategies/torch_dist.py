@@ -74,6 +74,7 @@ from .dcp.plan import (
     stored_tensor_catalog,
 )
 from .dcp.protocol_path import ReaderFactory, WriterFactory, load_through_dcp, save_request_through_dcp
+from .dcp.read import READ_THREADS
 from .dcp.staging import StagingBuffers, StagingLease
 from .dcp.views import ViewLoadPlanner, bytes_read_item
 
@@ -382,7 +383,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """Loads ShardedTensors (any layout) and ShardedObjects from a DCP checkpoint.
 
     Args:
-        thread_count: reader threads per rank (each reads a run of neighbouring items).
+        thread_count: reader threads per rank (each reads a run of neighbouring items; the large
+            scratch buffers of a resharding load are shared by them, ``dcp.read.SCRATCH_BUFFERS``).
         storage_reader_factory: ``checkpoint directory -> StorageReader``: a DCP storage reader of
             the user's reads the files, through DCP's protocol (``dcp.protocol_path``); for a URL
             checkpoint it is given dist_ckpt's verified local copy.
@@ -393,7 +395,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     backend = "torch_dist"
     supported_versions = (1,)
 
-    def __init__(self, thread_count: int = 2, storage_reader_factory: Optional[ReaderFactory] = None,
+    def __init__(self, thread_count: int = READ_THREADS, storage_reader_factory: Optional[ReaderFactory] = None,
                  planner: Optional[LoadPlanner] = None) -> None:
         self.thread_count = thread_count
         self.storage_reader_factory = storage_reader_factory
