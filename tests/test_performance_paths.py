@@ -577,8 +577,9 @@ def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, mo
                                 tmp_path / name)
         assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items()), name
         data_reads = calls if name == "small" else [n for n in calls if n > 4 * 300_000]
-        # the small ones: one call per reader thread (READ_THREADS by default) for all 40; the large: one each
-        assert len(data_reads) == (read.READ_THREADS if name == "small" else 3), (name, calls)
+        # the small ones: one call per reader thread (a load this small gets SMALL_LOAD_THREADS) for
+        # all 40; the large: one each
+        assert len(data_reads) == (read.SMALL_LOAD_THREADS if name == "small" else 3), (name, calls)
 
 
 def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):

@@ -14,10 +14,12 @@ Bytes are hashed piece by piece as they arrive (while in cache) and checked agai
 manifest entry looked up once per item; the manifest itself is read once per load.
 Neighbouring small items are read together (one call for up to ``COALESCE`` bytes). Items are
 split over ``thread_count`` reader threads in runs of neighbouring items (each thread reads
-mostly sequentially), balanced by bytes; ``READ_THREADS`` (8) by default: on a cold page cache
-more reads in flight kept a 2-rank load at 0.93-0.96 of raw file I/O's speed where 2 threads
-read at 0.64-0.87 (in turn, medians of 14-16 rounds), and cost 0-13 ms from the page cache. Whatever is not a plain tensor blob (objects, other
-pickle forms, transformed streams) takes the safe ``torch.load`` path of ``DcpReader``.
+mostly sequentially), balanced by bytes; ``READ_THREADS`` (8) by default, fewer for a load of
+few bytes (``BYTES_PER_THREAD``). On a cold page cache more reads in flight kept a 2-rank load
+at 0.93-0.96 of raw file I/O's speed where 2 threads read at 0.64-0.90 (in turn, medians of
+14-16 rounds), for 0-13 ms more from the page cache. Whatever is not a plain tensor blob
+(objects, other pickle forms, transformed streams) takes the safe ``torch.load`` path of
+``DcpReader``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,18 @@ from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, Manife
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
 __all__ = ["ItemGroup", "read_item_groups", "copy_region", "copy_in_this_thread", "needed_span", "READ_PIECE",
-           "READ_THREADS", "SCRATCH_BUFFERS", "SMALL_BLOB"]
+           "READ_THREADS", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD"]
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
 SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
 COALESCE = 8 << 20  # neighbouring small items are read together, up to this many bytes a call
 RUN_GAP = 64  # ... when fewer bytes than this lie between them (a writer's alignment padding)
 READ_THREADS = 8  # reader threads per rank by default: on a cold cache, more reads in flight
+# ... but a small load gets few: below BYTES_PER_THREAD bytes a thread, more threads only add
+# their start and the GIL's hand-offs (1,000 tensors of 4 KiB per rank, 2 ranks, page cache:
+# 86 ms with 2 threads, 106 ms with 8)
+SMALL_LOAD_THREADS = 2
+BYTES_PER_THREAD = 16 << 20
 SCRATCH_BUFFERS = 2  # large scratch buffers per load, shared by its reader threads
 _HEAD = 4096  # a blob's first bytes: its zip headers and data.pkl, up to the tensor's data
 # rows at least this long are read straight into a strided destination (a column slice, as
@@ -207,11 +214,14 @@ def _read_rows(fd: int, views: List[memoryview], offset: int, path: Path, hasher
 
 
 def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
-    """Runs of neighbouring groups (sorted by file and offset), about equal in bytes."""
+    """Runs of neighbouring groups (sorted by file and offset), about equal in bytes: at most
+    ``count``, and no more than one per BYTES_PER_THREAD bytes beyond SMALL_LOAD_THREADS."""
     ordered = sorted(groups, key=lambda g: (g.file, g.offset))
+    total = sum(g.length for g in ordered)
+    count = min(count, max(SMALL_LOAD_THREADS, total // BYTES_PER_THREAD))
     if count <= 1 or len(ordered) <= 1:
         return [ordered]
-    share = sum(g.length for g in ordered) / count
+    share = total / count
     lanes: List[List[ItemGroup]] = [[]]
     filled = 0
     for g in ordered:
