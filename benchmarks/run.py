@@ -21,8 +21,9 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   one by 4, each in turn with the same-layout load on as many ranks
                   (load_same_2ranks / _4ranks): the same bytes per rank, cold cache; on 2
                   ranks raw file I/O of the same state and the load's floor take turns too:
-                  every byte of the same-layout checkpoint's files read and hashed in 2
-                  threads, nothing planned (floor's load_same_2ranks);
+                  every byte of the same-layout checkpoint's files read and hashed in as
+                  many threads as dist_ckpt's reader has, nothing planned (floor's
+                  load_same_2ranks);
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -77,6 +78,7 @@ from dist_ckpt.runtime.collectives import DistWrapper  # noqa: E402
 from dist_ckpt.runtime.durable import drop_page_cache  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
+from dist_ckpt.strategies.dcp.read import READ_THREADS  # noqa: E402
 from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  # noqa: E402
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
 from readme_tables import README, machine_description, markdown_table, replace_section  # noqa: E402
@@ -519,11 +521,12 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
-def _bare_read(files: List[Path], buffers: List[torch.Tensor], lanes: int = 2) -> None:
+def _bare_read(files: List[Path], buffers: List[torch.Tensor], lanes: int = READ_THREADS) -> None:
     """The floor of a same-layout load of dist_ckpt's files: every byte of ``files`` read with
     preadv in 16 MiB pieces into ``buffers`` (touched, one per file) and hashed with xxh3, the
-    files' bytes split in ``lanes`` threads (the reader's default 2), nothing else: no index,
-    no planning, no per-tensor work. What any reader of these files that checks them must do."""
+    files' bytes split in ``lanes`` threads (as many as the reader's default), nothing else: no
+    index, no planning, no per-tensor work. What any reader of these files that checks them must
+    do, with as many reads in flight."""
     import xxhash
 
     piece = 16 << 20
@@ -830,8 +833,8 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, machine: str) -> Lis
         if any(cells):
             rows.append([label, *cells])
         if phase == "load_same_2ranks" and stats("floor", phase):
-            rows.append(["the floor of the row above: the same files read whole and hashed in 2 threads, nothing "
-                         "planned", *ours(stats("floor", phase))])
+            rows.append([f"the floor of the row above: the same files read whole and hashed in {READ_THREADS} "
+                         "threads, nothing planned", *ours(stats("floor", phase))])
     if any(med(tool, "save_mem") is not None for tool, _ in _COLUMNS):
         rows.append(["peak extra memory, save / load (MiB)",
                      *[f"{med(t, 'save_mem'):.0f} / {med(t, 'load_mem'):.0f}" if med(t, "save_mem") is not None else ""
