@@ -569,3 +569,96 @@ def test_parts_go_to_the_ranks_of_oversubscribed_hosts_and_the_coordinator_reads
     assert wants_index_part([("a", 2), ("a", 2)]) == [False, False]
     assert not may_want_parts(2, 2) and not may_want_parts(1, 0)
     assert may_want_parts(4, 2) and may_want_parts(3, 0)
+
+
+def _stream(rank: int, world: int, flags: str, case: str) -> tuple:
+    """``DistWrapper.reduce_and_stream`` on 4 ranks: each rank contributes ``rank * 10``; the
+    coordinator's results leave rank by rank (1, 2, 3, then its own)."""
+    import time
+
+    from dist_ckpt.runtime.collectives import DistWrapper
+
+    def results(values):
+        yield 1, ("value", values[1] + 1)
+        if case == "unpicklable":
+            yield 2, ("value", lambda: None)
+        if case == "raises":
+            raise RuntimeError("the coordinator's work broke after rank 1")
+        yield 2, ("value", values[2] + 1)
+        deadline = time.monotonic() + 20  # rank 3's result waits until rank 1 says it has its own
+        while not os.path.exists(f"{flags}/1") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield 3, ("made after rank 1 had its result", os.path.exists(f"{flags}/1"))
+        yield 0, ("value", values[0] + 1)
+
+    def local():
+        if case == "local fails" and rank == 2:
+            raise dist_ckpt.core.CheckpointingException("rank 2 cannot describe its request")
+        return rank * 10
+
+    try:
+        got = DistWrapper().reduce_and_stream(local, results, fallback=("fallback", None))
+    except Exception as e:  # noqa: BLE001
+        return "raised", type(e).__name__, str(e)
+    if rank == 1:
+        Path(f"{flags}/1").touch()
+    return got.result, None if got.deferred is None else (type(got.deferred).__name__, str(got.deferred))
+
+
+def test_a_streamed_step_sends_each_rank_its_result_while_the_coordinator_works_for_the_others(tmp_path):
+    """Rank 1 has its result before the coordinator makes rank 3's (it waits for rank 1 to say
+    so; with a scatter at the end it would wait in vain). Every rank gets its own result; no
+    error is deferred."""
+    results = run_distributed(_stream, WORLD, str(tmp_path), "in order")
+    assert results == [(("value", 1), None), (("value", 11), None), (("value", 21), None),
+                       (("made after rank 1 had its result", True), None)]
+
+
+@pytest.mark.parametrize("case", ["raises", "unpicklable"])
+def test_a_streamed_step_that_fails_midway_gives_the_rest_the_fallback_and_the_coordinator_the_error(tmp_path, case):
+    """Once rank 1 has its result, a failure cannot reach it any more: ranks 2 and 3 get the
+    fallback (a result that cannot be pickled, for rank 2, too) and the coordinator gets the
+    error to raise in its next shared step, which every rank then raises."""
+    results = run_distributed(_stream, WORLD, str(tmp_path), case)
+    assert results[1:] == [(("value", 11), None), (("fallback", None), None), (("fallback", None), None)]
+    assert results[0][0] == ("fallback", None)
+    assert results[0][1] is not None
+    if case == "raises":
+        assert results[0][1] == ("RuntimeError", "the coordinator's work broke after rank 1")
+
+
+def test_a_streamed_step_whose_local_part_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """Nothing has been sent yet: every rank raises rank 2's error, as itself."""
+    results = run_distributed(_stream, WORLD, str(tmp_path), "local fails")
+    assert results == [("raised", "CheckpointingException", "rank 2 cannot describe its request")] * WORLD
+
+
+def _load_with_a_broken_cut(rank: int, world: int, root: str) -> tuple:
+    """The coordinator's cut raises for the third part it cuts, after two ranks have theirs."""
+    import dist_ckpt.pipeline.load as load_pipeline
+
+    load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    cut = IndexCutter.part
+    calls = []
+
+    def broken(self, request):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a bug in the cutter")
+        return cut(self, request)
+
+    IndexCutter.part = broken
+    try:
+        dist_ckpt.load(_request(rank, world, False), f"{root}/ckpt")
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e)
+    return "loaded", ""
+
+
+def test_a_cut_that_breaks_after_some_ranks_have_their_parts_fails_every_rank_the_same_way(saved):
+    """Ranks 1 and 2 got their parts and read; ranks 3 and the coordinator got none: every rank
+    raises the coordinator's error at the end of the read, none hangs, none returns data."""
+    outcomes = run_distributed(_load_with_a_broken_cut, WORLD, str(saved))
+    assert len(set(outcomes)) == 1, outcomes
+    kind, message = outcomes[0]
+    assert kind == "CheckpointingException" and "rank 0" in message and "a bug in the cutter" in message, outcomes

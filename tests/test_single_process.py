@@ -421,12 +421,13 @@ def test_unknown_fields_in_metadata_json_are_logged_and_ignored(two_key_ckpt, ca
 
 
 def test_parsed_index_files_are_kept_for_the_last_few_file_versions_only(tmp_path):
-    """A process that loads one checkpoint after another (an evaluation job), or reads a
-    directory that is saved into again and again, keeps the parsed ``.metadata`` and manifest of
-    the 8 file versions it used last, not of every one it ever read; a rewritten file is parsed
-    again (its new content is what the next read returns)."""
+    """A process that reads one checkpoint's index after another (a tool streaming tensors out
+    of checkpoints), or a directory that is saved into again and again, keeps the parsed
+    ``.metadata`` and manifest of the 8 file versions it used last, not of every one it ever
+    read; a rewritten file is parsed again (its new content is what the next read returns).
+    ``dist_ckpt.load`` keeps none: what it parsed is dropped when it returns."""
     from dist_ckpt.integrity import manifest
-    from dist_ckpt.runtime.file_cache import ParsedFileCache
+    from dist_ckpt.runtime.file_cache import ParsedFileCache, parsed_files_scoped
     from dist_ckpt.strategies import cached_metadata_filesystem_reader as cached_reader
     from dist_ckpt.strategies.dcp import files
 
@@ -437,8 +438,19 @@ def test_parsed_index_files_are_kept_for_the_last_few_file_versions_only(tmp_pat
         dist_ckpt.save({"t": ShardedTensor.from_rank_offsets("t", torch.arange(6.0) + i)}, directory)
         loaded = dist_ckpt.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(6))}, directory)
         assert torch.equal(loaded["t"], torch.arange(6.0) + i)
+        assert len(files._metadata_cache) == len(manifest._manifest_cache) == 0  # the load kept nothing
+    for i in range(12):
+        assert tuple(dist_ckpt.load_tensors_metadata(tmp_path / f"step{i}")["t"].global_shape) == (6,)
+        assert manifest.load_manifest(tmp_path / f"step{i}") is not None
     held = lambda cache: {Path(key[0]).parent.name for key in cache.keys()}  # noqa: E731
     assert held(files._metadata_cache) == held(manifest._manifest_cache) == {f"step{i}" for i in range(4, 12)}
+
+    kept = files._metadata_cache.keys()[-1]
+    with parsed_files_scoped():  # a load's scope finds what was kept before, and keeps its own apart
+        assert files._metadata_cache.get(kept) is not None
+        files._metadata_cache.put("scoped", "parsed in the scope")
+        assert files._metadata_cache.get("scoped") == "parsed in the scope"
+    assert files._metadata_cache.get("scoped") is None and len(files._metadata_cache) == 8
 
     same = tmp_path / "same"
     for n in range(1, 13):  # one directory, saved into again and again

@@ -2,14 +2,15 @@
 
 1. ``localize``: a URL is copied once per machine into the local cache (every rank shares the
    failure); a path is taken as it is;
-2. ``open_checkpoint``: -> ``OpenedCheckpoint`` - on every rank, in one collective (two with
-   the access check, whose coordinator checks every rank's request; three when ranks share
-   their cores: the coordinator sends each of them its part of the index): the strategies
-   (from ``metadata.json`` or the caller), the common state, the request split into its
-   sharded, nonpersistent and factory parts;
-3. ``read``: the access check and strict handling (``validation``), then ShardedObjects (through
-   the common strategy when the sharded one cannot read them) and tensors read by the strategy,
-   and the result assembled in the request's structure, merged with the common state.
+2. ``exchange_requests``: -> ``ExchangedRequest`` - with the access check, each rank's request
+   goes to the coordinator, which checks every request and answers each rank (one gather and
+   one scatter); when ranks share their cores it then sends each of them its part of the index,
+   rank by rank as it cuts them. Without the access check there is nothing to exchange;
+3. ``read``: on every rank, in one failure-sharing step: the checkpoint opened (the strategies
+   from ``metadata.json`` or the caller, the common state), the strict handling, then
+   ShardedObjects (through the common strategy when the sharded one cannot read them) and
+   tensors read by the strategy, and the result assembled in the request's structure, merged
+   with the common state.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import socket
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
 from ..dict_utils import dict_list_map_outplace, extract_matching_values, merge, nested_values
 from ..mapping import (
@@ -40,6 +41,7 @@ from ..integrity.manifest import (
     verification_enabled,
 )
 from ..runtime.collectives import DistWrapper
+from ..runtime.file_cache import parsed_files_scoped
 from ..runtime.timing import phase
 from ..sharding.partition import assemble, split_state_dict
 from ..sharding.regions import RequestedRegions, requested_regions
@@ -55,8 +57,8 @@ from ..validation import (
 )
 from .prefetch import IndexPrefetch
 
-__all__ = ["LoadRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint", "open_checkpoint", "read",
-           "load_sharded_metadata_with", "wants_index_part", "may_want_parts", "manifest_part"]
+__all__ = ["LoadRequest", "ExchangedRequest", "OpenedCheckpoint", "run_load", "localize_checkpoint",
+           "exchange_requests", "read", "load_sharded_metadata_with", "wants_index_part", "may_want_parts", "manifest_part"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -80,8 +82,31 @@ class LoadRequest:
 
 
 @dataclass(frozen=True)
+class _SplitRequest:
+    """The request in its parts, before any file is read."""
+
+    sharded_request: ShardedStateDict
+    nonpersistent: StateDict
+    factories: StateDict
+    local_metadata: Optional[List[ShardedBase]]
+
+
+@dataclass(frozen=True)
+class ExchangedRequest:
+    """Step 2's result, on every rank: this rank's request in parts, and what the coordinator
+    sent it."""
+
+    directory: Path
+    split: _SplitRequest
+    requested_keys: Optional[Set[str]] = None  # the keys of every rank's request (the *_ALL strict modes)
+    index_part: Optional[IndexPart] = None  # this rank's part of the index, from the coordinator
+    manifest_part: Optional[Manifest] = None  # the checksums of the files this rank reads, from it too
+    deferred: Optional[BaseException] = None  # coordinator: what stopped the parts after some were sent
+
+
+@dataclass(frozen=True)
 class OpenedCheckpoint:
-    """Step 2's result, on every rank: how to read the checkpoint, and this rank's request in parts."""
+    """How to read the checkpoint (opened at the start of step 3), and this rank's request in parts."""
 
     directory: Path
     sharded_strategy: LoadShardedStrategy
@@ -95,16 +120,6 @@ class OpenedCheckpoint:
     requested_keys: Optional[Set[str]] = None  # the keys of every rank's request (the *_ALL strict modes)
     index_part: Optional[IndexPart] = None  # this rank's part of the index, from the coordinator
     manifest_part: Optional[Manifest] = None  # the checksums of the files this rank reads, from it too
-
-
-@dataclass(frozen=True)
-class _SplitRequest:
-    """The request in its parts, before any file is read."""
-
-    sharded_request: ShardedStateDict
-    nonpersistent: StateDict
-    factories: StateDict
-    local_metadata: Optional[List[ShardedBase]]
 
 
 @dataclass(frozen=True)
@@ -152,19 +167,23 @@ def _open(request: LoadRequest, directory: Path, split: _SplitRequest) -> Opened
                             split.nonpersistent, split.factories, split.local_metadata, None)
 
 
-def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) -> OpenedCheckpoint:
+PartsSent = Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]]
+
+
+def exchange_requests(request: LoadRequest, directory: Path, dist: DistWrapper) -> ExchangedRequest:
     """Step 2 (collective: a failure on any rank is raised on every rank).
 
     With the access check (or a ``*_ALL`` strict mode), each rank's request goes to the
     coordinator alone, which checks every request and sends each rank the verdict
     (``_check_requests``). Ranks that share their cores (``wants_index_part``) then send their
-    regions and receive their part of the index and the checksums of the files it names, read
-    once (``_cut_parts``; the coordinator reads them in a thread while it waits for the first
-    round, ``IndexPrefetch``). Then every rank opens the checkpoint. No rank receives every rank's
-    request (``determine_global_metadata`` gives every rank every rank's list: N^2 in all), and
-    a rank with a part reads no other rank's entries."""
+    regions, and the coordinator sends each of them its part of the index and the checksums of
+    the files it names, cut from one reading of each (``_cut_parts``; the coordinator reads them
+    in a thread while it waits for the first round, ``IndexPrefetch``), rank by rank as soon as
+    it has cut each: the first ranks plan and read while it cuts for the others. No rank receives
+    every rank's request (``determine_global_metadata`` gives every rank every rank's list: N^2
+    in all), and a rank with a part reads no other rank's entries."""
     if not request.needs_global_metadata:
-        return dist.all_run(lambda: _open(request, directory, _split(request)))
+        return ExchangedRequest(directory, _split(request))
     splits: List[_SplitRequest] = []
     prefetch = IndexPrefetch(directory, request.sharded_strategy, request.common_strategy)
 
@@ -175,23 +194,23 @@ def open_checkpoint(request: LoadRequest, directory: Path, dist: DistWrapper) ->
             prefetch.start()  # reads while this rank waits for the others
         return described
 
-    def cut(regions: List[Optional[RequestedRegions]]) -> List[Tuple[Optional[IndexPart], Optional[ManifestPart]]]:
+    def cut(regions: List[Optional[RequestedRegions]]) -> Iterator[Tuple[int, PartsSent]]:
         prefetch.wait()
-        return _cut_parts(request, directory, regions)
+        return _cut_parts(request, directory, regions, dist.coordinator_rank)
 
     try:
         verdict: _Verdict = dist.reduce_scatter(describe, lambda everyone: _check_requests(request, everyone))
-        parts: Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]] = (None, None)
+        nothing: PartsSent = (None, None)  # what a rank without a part gets: it reads the whole index
+        parts, deferred = nothing, None
         if verdict.any_part:  # only the ranks that get a part send their regions
-            parts = dist.reduce_scatter(
-                lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None, cut)
+            parts, deferred = dist.reduce_and_stream(
+                lambda: requested_regions(splits[0].local_metadata or []) if verdict.wants_part else None, cut,
+                fallback=nothing)
     finally:
         prefetch.wait()
     index_part, sent = parts  # a ManifestPart arrives unpickled as a Manifest (not so without a process group)
     manifest_part = sent.to_manifest() if isinstance(sent, ManifestPart) else sent
-    with manifest_given(directory, manifest_part):
-        opened = dist.all_run(lambda: _open(request, directory, splits[0]))
-    return replace(opened, requested_keys=verdict.requested_keys, index_part=index_part, manifest_part=manifest_part)
+    return ExchangedRequest(directory, splits[0], verdict.requested_keys, index_part, manifest_part, deferred)
 
 
 def _cores() -> int:
@@ -235,28 +254,31 @@ def _check_requests(request: LoadRequest, everyone: List[_RankRequest]) -> List[
     return [_Verdict(keys, want, any(wants)) for want in wants]
 
 
-def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[RequestedRegions]]
-               ) -> List[Tuple[Optional[IndexPart], Optional[ManifestPart]]]:
-    """On the coordinator: the part of the index and of the manifest of each rank that sent its
-    regions, from one reading of each. Whatever fails here (the checkpoint missing, a damaged
-    index) gives no parts: every rank then reads for itself and reports it in its own words."""
-    nothing: List[Tuple[Optional[IndexPart], Optional[ManifestPart]]] = [(None, None)] * len(regions)
-    wanted = [i for i, r in enumerate(regions) if r is not None]
+def _cut_parts(request: LoadRequest, directory: Path, regions: List[Optional[RequestedRegions]],
+               coordinator: int) -> Iterator[Tuple[int, PartsSent]]:
+    """On the coordinator: (rank, its part of the index and of the manifest) for each rank that
+    sent its regions, the coordinator's own last, each cut as it is asked for, from one reading
+    of the index and of the manifest. Whatever fails here (the checkpoint missing, a damaged
+    index) gives no more parts: those ranks read for themselves and report it in their own words."""
+    wanted = sorted((i for i, r in enumerate(regions) if r is not None), key=lambda i: (i == coordinator, i))
     try:
         sharded, _ = verify_checkpoint_and_load_strategy(directory, request.sharded_strategy,
                                                          request.common_strategy)
         manifest = load_manifest(directory) if verification_enabled() else None
         cut = sharded.index_parts(directory, [cast(RequestedRegions, regions[i]) for i in wanted])
     except CheckpointingException:
-        return nothing
-    if cut is None or len(cut) != len(wanted):
-        return nothing
-    answers = list(nothing)
+        return
+    if cut is None:
+        return
     checksums = None if manifest is None else PartsToSend(manifest)
-    for i, part in zip(wanted, cut):
+    parts = iter(cut)
+    for i in wanted:
+        try:
+            part = next(parts, None)
+        except CheckpointingException:
+            return
         if part is not None:
-            answers[i] = (part, None if checksums is None else manifest_part(checksums, part))
-    return answers
+            yield i, (part, None if checksums is None else manifest_part(checksums, part))
 
 
 def manifest_part(manifest: PartsToSend, part: IndexPart) -> ManifestPart:
@@ -269,9 +291,16 @@ def manifest_part(manifest: PartsToSend, part: IndexPart) -> ManifestPart:
     return manifest.part(always_read, part.ranges)
 
 
-def read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:
-    """Step 3, on this rank: (state dict, missing keys, unexpected keys)."""
-    with manifest_given(opened.directory, opened.manifest_part):
+def read(request: LoadRequest, exchanged: ExchangedRequest) -> Tuple[StateDict, Set[str], Set[str]]:
+    """Step 3, on this rank: open the checkpoint and read (state dict, missing keys, unexpected
+    keys). Opening belongs to this step (one failure-sharing step for both, not one each): a rank
+    that got its part of the index early opens and reads while the coordinator cuts the others'."""
+    if exchanged.deferred is not None:  # the coordinator's cut failed: every rank raises it with this step
+        raise exchanged.deferred
+    with manifest_given(exchanged.directory, exchanged.manifest_part):
+        opened = _open(request, exchanged.directory, exchanged.split)
+        opened = replace(opened, requested_keys=exchanged.requested_keys, index_part=exchanged.index_part,
+                         manifest_part=exchanged.manifest_part)
         return _read(request, opened)
 
 
@@ -313,10 +342,12 @@ def load_sharded_metadata_with(directory: Path, sharded: LoadShardedStrategy, co
 
 
 def run_load(request: LoadRequest) -> Tuple[StateDict, Set[str], Set[str]]:
-    """Steps 1-3 on every rank (collective)."""
+    """Steps 1-3 on every rank (collective). The index files they parse are kept for this load
+    only (``parsed_files_scoped``)."""
     dist = DistWrapper()
-    directory = localize_checkpoint(request, dist)
-    with phase("load: metadata"):
-        opened = open_checkpoint(request, directory, dist)
-    with phase("load: read"):
-        return dist.all_run(lambda: read(request, opened))
+    with parsed_files_scoped():
+        directory = localize_checkpoint(request, dist)
+        with phase("load: metadata"):
+            exchanged = exchange_requests(request, directory, dist)
+        with phase("load: read"):
+            return dist.all_run(lambda: read(request, exchanged))

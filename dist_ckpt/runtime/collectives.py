@@ -11,9 +11,10 @@ Works without a process group (one process): collectives become identities.
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar, cast
+from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core import CheckpointingException
 
-__all__ = ["DistWrapper", "RankFailure", "get_rank", "get_world_size", "collective_device", "to_collective_device",
+__all__ = ["DistWrapper", "RankFailure", "Streamed", "get_rank", "get_world_size", "collective_device", "to_collective_device",
            "empty_for_collective"]
 
 T = TypeVar("T")
@@ -113,6 +114,22 @@ def _raise_first(failures: Sequence[RankFailure], local_exc: Optional[BaseExcept
     if local_exc is not None and local_exc is not err:
         raise err from local_exc
     raise err
+
+
+class Streamed(NamedTuple, Generic[R]):
+    """A rank's result of ``DistWrapper.reduce_and_stream``, and on the coordinator the error
+    that stopped it after some ranks had theirs (to be raised in the next shared step)."""
+
+    result: R
+    deferred: Optional[BaseException]
+
+
+_STREAM_TAG = 0x5D15  # reduce_and_stream's point-to-point messages
+
+
+def _serialized(message: Any) -> torch.Tensor:
+    """``message`` pickled into a tensor to send (raises if it cannot be pickled)."""
+    return torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
 
 
 def _describe(exc: BaseException) -> str:
@@ -296,6 +313,86 @@ class DistWrapper:
         mine, failures = self.scatter_object(per_rank)
         _raise_first(failures or [], exc)
         return self._unpack(mine)
+
+    def reduce_and_stream(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], Iterator[Tuple[int, R]]],
+                          fallback: R) -> "Streamed[R]":
+        """``reduce_scatter`` whose coordinator sends each rank its result as soon as it is made.
+
+        Why: when the coordinator's work for each rank is long (cutting every rank's part of a
+        checkpoint's index on an oversubscribed host), a scatter at the end keeps every rank
+        idle until the last result is ready; sent one by one, the first ranks go on while the
+        coordinator still works for the others.
+
+        ``global_fn`` (on the coordinator, over every rank's ``local_fn`` result) yields
+        (rank, result) pairs, each rank at most once, in the order they should leave; a rank
+        it never yields gets ``fallback``. A failure of ``local_fn`` anywhere is raised on every
+        rank (nothing was sent yet). A failure of ``global_fn`` (or of pickling a result) cannot
+        reach the ranks already served: the rest get ``fallback``, and the coordinator receives
+        the error as ``Streamed.deferred``, which the caller must raise in its next
+        failure-sharing step (``all_run``), so that every rank raises it there."""
+        value, failure, exc = self._run(local_fn)
+        if not self.use_dist:
+            _raise_first([failure] if failure is not None else [], exc)
+            return self._send_each(lambda: global_fn([value]), fallback)
+        blob, failure, exc = self._pack(value, failure, exc)
+        gathered = self.gather_object((blob, failure))
+        if not self.is_coordinator:
+            result, failures = self._receive()
+            _raise_first(failures or [], exc)
+            return Streamed(result, None)
+        failures = [f for _, f in gathered or [] if f is not None]
+        if failures:
+            message = _serialized((None, failures))
+            self._wait_for(itertools.chain.from_iterable(
+                self._post(rank, message) for rank in range(self.world_size) if rank != self.rank))
+            _raise_first(failures, exc)
+        return self._send_each(lambda: global_fn([self._unpack(b) for b, _ in gathered or []]), fallback)
+
+    def _send_each(self, start: Callable[[], Iterator[Tuple[int, R]]], fallback: R) -> "Streamed[R]":
+        """Coordinator: send each result as soon as the iterator from ``start`` yields it, then
+        ``fallback`` to the ranks it skipped; wait until every rank has taken its message."""
+        mine, deferred = fallback, None
+        pending: List[Any] = []
+        unsent = set(range(self.world_size))
+        try:
+            for rank, result in start():
+                if rank not in unsent:
+                    raise CheckpointingException(f"a streamed step yielded rank {rank} twice (or out of range)")
+                if rank == self.rank:
+                    mine = result
+                elif self.use_dist:
+                    pending += self._post(rank, _serialized((result, None)))
+                unsent.discard(rank)
+        except Exception as e:  # noqa: BLE001 - the ranks served are gone: the caller's next shared step raises it
+            deferred = e
+        if self.use_dist:
+            rest = [rank for rank in sorted(unsent) if rank != self.rank]
+            if rest:
+                message = _serialized((fallback, None))
+                pending += itertools.chain.from_iterable(self._post(rank, message) for rank in rest)
+            self._wait_for(pending)
+        return Streamed(mine, deferred)
+
+    def _post(self, rank: int, message: torch.Tensor) -> List[Any]:
+        """Start sending ``message`` to ``rank`` (its length, then its bytes); the works to wait for."""
+        length = torch.tensor([message.numel()], dtype=torch.int64)
+        dst = self._global(rank)
+        return self._collective("send", lambda: [dist.isend(length, dst=dst, group=self.group, tag=_STREAM_TAG),
+                                                 dist.isend(message, dst=dst, group=self.group, tag=_STREAM_TAG)])
+
+    def _wait_for(self, works: Iterable[Any]) -> None:
+        """Until every message posted has been taken (a rank that died or stalls: the group's timeout)."""
+        for work in list(works):
+            self._collective("send", work.wait)
+
+    def _receive(self) -> Any:
+        """This rank's message from the coordinator (``_post``), unpickled."""
+        src = self._global(self.coordinator_rank)
+        length = torch.zeros(1, dtype=torch.int64)
+        self._collective("recv", lambda: dist.recv(length, src=src, group=self.group, tag=_STREAM_TAG))
+        blob = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._collective("recv", lambda: dist.recv(blob, src=src, group=self.group, tag=_STREAM_TAG))
+        return pickle.loads(blob.numpy().tobytes())  # noqa: S301 - from this job's coordinator
 
     def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the

@@ -169,11 +169,13 @@ class LoadShardedStrategy(LoadStrategyBase):
         """
 
     def index_parts(self, checkpoint_dir: Path, requests: Sequence[RequestedRegions]
-                    ) -> Optional[List[Optional[IndexPart]]]:
+                    ) -> Optional[Iterable[Optional[IndexPart]]]:
         """On the load's coordinator (dist_ckpt's extension): each rank's part of the
         checkpoint's index, cut from one reading of it, for ``load_with_index_part`` - so that no
-        rank reads every rank's entries. None (the default): every rank reads the index itself.
-        A part may be None for a rank that should read the whole index."""
+        rank reads every rank's entries. One part per request, in order; an iterator may cut each
+        when it is taken (each goes to its rank before the next is cut). None (the default):
+        every rank reads the index itself. A part may be None for a rank that should read the
+        whole index."""
         return None
 
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,

@@ -419,14 +419,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return self._load_direct(sharded_state_dict, reader, reader.read_metadata())
 
     def index_parts(self, checkpoint_dir: Path, requests: Sequence[RequestedRegions]
-                    ) -> Optional[List[Optional[IndexPart]]]:
+                    ) -> Optional[Iterable[Optional[IndexPart]]]:
         """Each rank's part of ``.metadata`` (``dcp.index_parts``), from one checked reading of
-        it. None when the load goes through a user's reader or planner (DCP's protocol reads the
-        index itself), or a subclass loads its own way."""
+        it (read here; each part is cut when the caller takes it). None when the load goes
+        through a user's reader or planner (DCP's protocol reads the index itself), or a
+        subclass loads its own way."""
         if not self._reads_directly():
             return None
         cutter = IndexCutter(read_dcp_metadata(Path(checkpoint_dir)))
-        return [cutter.part(request) for request in requests]
+        return map(cutter.part, requests)
 
     def prefetch_index(self, checkpoint_dir: Path) -> None:
         """``.metadata`` read and checked into the process's cache, which ``index_parts`` and
