@@ -528,6 +528,36 @@ def test_fully_parallel_load_hands_nccl_only_accelerator_tensors(tmp_path):
     assert all(r[0] >= 5 for r in results), results  # 4 shard broadcasts + the all-reduce, all accepted
 
 
+def _load_with_parts_under_nccl(rank: int, world: int, ckpt: str) -> list:
+    """Ranks that get their part of the index from the coordinator (sent rank by rank,
+    point-to-point) under the NCCL double: every message sent or received is on the accelerator."""
+    import pytest as _pytest
+
+    import dist_ckpt.pipeline.load as load_pipeline
+
+    def state(value):
+        return {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((4, 8), value + i), (0, rank, world))
+                for i in range(4)}
+
+    dist_ckpt.save(state(1.0), ckpt)
+    with _pytest.MonkeyPatch.context() as m:
+        double = _NcclDouble(m)
+        m.setattr(load_pipeline, "wants_index_part", lambda hosts: [True] * len(hosts))
+        checked = lambda real: lambda tensor, *a, **k: (  # noqa: E731
+            real(tensor, *a, **k) if id(tensor) in double.on_gpu else pytest.fail("a CPU tensor sent or received"))
+        m.setattr(dist, "isend", checked(dist.isend))
+        m.setattr(dist, "recv", checked(dist.recv))
+        loaded = dist_ckpt.load(state(0.0), ckpt)
+    return [all(torch.equal(loaded[f"w{i}"], torch.full((4, 8), 1.0 + i)) for i in range(4))]
+
+
+def test_parts_of_the_index_are_sent_on_the_accelerator_under_nccl(tmp_path):
+    """The coordinator's point-to-point sends of the parts (``reduce_and_stream``) hand NCCL
+    accelerator tensors only: lengths and bytes, sent and received (SLURM binding each rank of a
+    GPU node to one core makes every host oversubscribed, so parts are used there)."""
+    assert run_distributed(_load_with_parts_under_nccl, 3, str(tmp_path / "ckpt")) == [[True]] * 3
+
+
 def _devices_by_backend(rank: int, world: int) -> list:
     import pytest as _pytest
 

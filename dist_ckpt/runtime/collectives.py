@@ -374,8 +374,10 @@ class DistWrapper:
         return Streamed(mine, deferred)
 
     def _post(self, rank: int, message: torch.Tensor) -> List[Any]:
-        """Start sending ``message`` to ``rank`` (its length, then its bytes); the works to wait for."""
-        length = torch.tensor([message.numel()], dtype=torch.int64)
+        """Start sending ``message`` to ``rank`` (its length, then its bytes, on the group's
+        device: NCCL takes CUDA tensors only); the works to wait for."""
+        length = to_collective_device(torch.tensor([message.numel()], dtype=torch.int64), self.group)
+        message = to_collective_device(message, self.group)
         dst = self._global(rank)
         return self._collective("send", lambda: [dist.isend(length, dst=dst, group=self.group, tag=_STREAM_TAG),
                                                  dist.isend(message, dst=dst, group=self.group, tag=_STREAM_TAG)])
@@ -388,11 +390,11 @@ class DistWrapper:
     def _receive(self) -> Any:
         """This rank's message from the coordinator (``_post``), unpickled."""
         src = self._global(self.coordinator_rank)
-        length = torch.zeros(1, dtype=torch.int64)
+        length = empty_for_collective((1,), torch.int64, self.group)
         self._collective("recv", lambda: dist.recv(length, src=src, group=self.group, tag=_STREAM_TAG))
-        blob = torch.empty(int(length.item()), dtype=torch.uint8)
+        blob = empty_for_collective((int(length.item()),), torch.uint8, self.group)
         self._collective("recv", lambda: dist.recv(blob, src=src, group=self.group, tag=_STREAM_TAG))
-        return pickle.loads(blob.numpy().tobytes())  # noqa: S301 - from this job's coordinator
+        return pickle.loads(blob.cpu().numpy().tobytes())  # noqa: S301 - from this job's coordinator
 
     def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:
         """``local_fn`` everywhere, ``global_fn`` on the coordinator; its result (or the
