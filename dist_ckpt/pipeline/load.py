@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import socket
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
 
@@ -160,11 +160,13 @@ def _split(request: LoadRequest) -> _SplitRequest:
     return _SplitRequest(sharded_request, nonpersistent, factories, local_md)
 
 
-def _open(request: LoadRequest, directory: Path, split: _SplitRequest) -> OpenedCheckpoint:
+def _open(request: LoadRequest, exchanged: ExchangedRequest) -> OpenedCheckpoint:
+    directory, split = exchanged.directory, exchanged.split
     sharded, common = verify_checkpoint_and_load_strategy(directory, request.sharded_strategy,
                                                           request.common_strategy)
     return OpenedCheckpoint(directory, sharded, common, common.load_common(directory), split.sharded_request,
-                            split.nonpersistent, split.factories, split.local_metadata, None)
+                            split.nonpersistent, split.factories, split.local_metadata, None,
+                            exchanged.requested_keys, exchanged.index_part, exchanged.manifest_part)
 
 
 PartsSent = Tuple[Optional[IndexPart], Union[Manifest, ManifestPart, None]]
@@ -298,10 +300,7 @@ def read(request: LoadRequest, exchanged: ExchangedRequest) -> Tuple[StateDict, 
     if exchanged.deferred is not None:  # the coordinator's cut failed: every rank raises it with this step
         raise exchanged.deferred
     with manifest_given(exchanged.directory, exchanged.manifest_part):
-        opened = _open(request, exchanged.directory, exchanged.split)
-        opened = replace(opened, requested_keys=exchanged.requested_keys, index_part=exchanged.index_part,
-                         manifest_part=exchanged.manifest_part)
-        return _read(request, opened)
+        return _read(request, _open(request, exchanged))
 
 
 def _read(request: LoadRequest, opened: OpenedCheckpoint) -> Tuple[StateDict, Set[str], Set[str]]:

@@ -11,7 +11,6 @@ Works without a process group (one process): collectives become identities.
 
 from __future__ import annotations
 
-import itertools
 import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, cast
@@ -342,9 +341,7 @@ class DistWrapper:
             return Streamed(result, None)
         failures = [f for _, f in gathered or [] if f is not None]
         if failures:
-            message = _serialized((None, failures))
-            self._wait_for(itertools.chain.from_iterable(
-                self._post(rank, message) for rank in range(self.world_size) if rank != self.rank))
+            self._wait_for(self._post_to_each(range(self.world_size), _serialized((None, failures))))
             _raise_first(failures, exc)
         return self._send_each(lambda: global_fn([self._unpack(b) for b, _ in gathered or []]), fallback)
 
@@ -366,10 +363,8 @@ class DistWrapper:
         except Exception as e:  # noqa: BLE001 - the ranks served are gone: the caller's next shared step raises it
             deferred = e
         if self.use_dist:
-            rest = [rank for rank in sorted(unsent) if rank != self.rank]
-            if rest:
-                message = _serialized((fallback, None))
-                pending += itertools.chain.from_iterable(self._post(rank, message) for rank in rest)
+            if unsent - {self.rank}:
+                pending += self._post_to_each(sorted(unsent), _serialized((fallback, None)))
             self._wait_for(pending)
         return Streamed(mine, deferred)
 
@@ -381,6 +376,10 @@ class DistWrapper:
         dst = self._global(rank)
         return self._collective("send", lambda: [dist.isend(length, dst=dst, group=self.group, tag=_STREAM_TAG),
                                                  dist.isend(message, dst=dst, group=self.group, tag=_STREAM_TAG)])
+
+    def _post_to_each(self, ranks: Iterable[int], message: torch.Tensor) -> List[Any]:
+        """``_post`` of one message to each of ``ranks`` but this one."""
+        return [work for rank in ranks if rank != self.rank for work in self._post(rank, message)]
 
     def _wait_for(self, works: Iterable[Any]) -> None:
         """Until every message posted has been taken (a rank that died or stalls: the group's timeout)."""
