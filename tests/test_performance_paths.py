@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import zlib
 from pathlib import Path
@@ -569,8 +570,9 @@ def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, mo
         assert all(tensors_bitwise_equal(theirs[k], t) for k, t in tensors.items()), name
 
     calls = []
-    real_read_into = read._read_into
-    monkeypatch.setattr(read, "_read_into", lambda fd, view, *rest: (calls.append(len(view)), real_read_into(fd, view, *rest)))
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, views, *rest: (calls.append(sum(map(len, views))),
+                                                                real_preadv(fd, views, *rest))[1])
     for name, tensors in (("small", small), ("large", large)):
         calls.clear()
         loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()},
@@ -582,6 +584,89 @@ def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, mo
         assert len(data_reads) == (read.SMALL_LOAD_THREADS if name == "small" else 3), (name, calls)
 
 
+def _blob_reads(monkeypatch) -> dict:
+    """Counts of the reader's small reads of a blob's ends (``os.pread``) and its data reads."""
+    counts = {"ends": 0, "data": 0}
+    real_pread, real_preadv = os.pread, os.preadv
+
+    def pread(*args):
+        counts["ends"] += 1
+        return real_pread(*args)
+
+    def preadv(*args):
+        counts["data"] += 1
+        return real_preadv(*args)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "preadv", preadv)
+    return counts
+
+
+def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch):
+    """A large blob whose layout (length, dtype, chunk shape) the load has met already is read
+    front to back in one pass: no small reads of its ends first (each a round trip to the disk
+    on a cold cache). Tensors of the same byte length but another shape or dtype are located
+    anew; a blob that turns out to have another layout than the one predicted is read again
+    the careful way; damage anywhere in a blob read in one pass is reported."""
+    from dist_ckpt.core import CorruptCheckpointError
+    from dist_ckpt.strategies.dcp import read
+
+    gen = torch.Generator().manual_seed(7)
+    tensors = {f"w{i}": torch.randn(600, 1000, generator=gen) for i in range(5)}
+    tensors["transposed"] = torch.randn(1000, 600, generator=gen)  # same bytes and blob length, other shape
+    tensors["half"] = torch.randn(1200, 1000, generator=gen).to(torch.bfloat16)  # same bytes, other dtype
+    tensors["half2"] = torch.randn(1200, 1000, generator=gen).to(torch.bfloat16)
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}, tmp_path / "c")
+    one_lane = TorchDistLoadShardedStrategy(thread_count=1)
+
+    def load() -> dict:
+        return dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()},
+                              tmp_path / "c", sharded_strategy=one_lane)
+
+    counts = _blob_reads(monkeypatch)
+    loaded = load()
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
+    assert counts["ends"] == 2 * 3, counts  # head and tail of the first blob of each of the 3 layouts
+    assert counts["data"] == len(tensors), counts  # one call per blob (each under READ_PIECE bytes)
+
+    # a wrong prediction (the data 64 bytes further on): every blob predicted is read again, right
+    real_known = read._LayoutCache.known
+    monkeypatch.setattr(read._LayoutCache, "known", lambda self, length: [
+        read.StoredTensor(s.dtype, s.shape, s.data_offset + 64, s.nbytes) for s in real_known(self, length)])
+    counts.update(ends=0, data=0)
+    loaded = load()
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
+    assert counts["data"] == len(tensors) + 5 and counts["ends"] == 2 * len(tensors), counts
+    monkeypatch.setattr(read._LayoutCache, "known", real_known)
+
+    # the same through torch's dcp.load with our reader: DCP's planner, the chunks from .metadata
+    import torch.distributed.checkpoint as dcp
+
+    from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter
+
+    dcp.save(dict(tensors), storage_writer=FileSystemWriter(tmp_path / "dcp"))
+    counts.update(ends=0, data=0)
+    theirs = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    dcp.load(theirs, storage_reader=FileSystemReader(tmp_path / "dcp", thread_count=1))
+    assert all(tensors_bitwise_equal(theirs[k], t) for k, t in tensors.items())
+    assert counts["ends"] == 2 * 3 and counts["data"] == len(tensors), counts
+
+    from dist_ckpt.strategies.torch_dist import read_dcp_metadata
+
+    info = next(v for k, v in read_dcp_metadata(tmp_path / "c").storage_data.items() if k.fqn == "w3")
+    path = tmp_path / "c" / info.relative_path
+    pristine = path.read_bytes()
+    for where in (100, 4096, info.length - 100):  # its pickle, its data, its zip directory
+        damaged = bytearray(pristine)
+        damaged[info.offset + where] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 'w3'"):
+            load()
+    path.write_bytes(pristine)
+
+
+
+
 def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     """A stored chunk larger than SMALL_BLOB that lands in a column slice of the destination
     (resharding a column-split TP tensor): rows of at least ROWS_MIN_BYTES are read straight
@@ -589,14 +674,14 @@ def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     from dist_ckpt.core import CorruptCheckpointError
     from dist_ckpt.strategies.dcp import read
 
-    row_reads = []
-    real_read_rows = read._read_rows
+    row_reads = []  # per read call: how many of its buffers are a destination's rows
+    real_read_views = read._read_views
 
     def spy(fd, views, offset, path, hasher):
-        row_reads.append(len(views[0]))
-        return real_read_rows(fd, views, offset, path, hasher)
+        row_reads.append(sum(len(v) == read.ROWS_MIN_BYTES for v in views))
+        return real_read_views(fd, views, offset, path, hasher)
 
-    monkeypatch.setattr(read, "_read_rows", spy)
+    monkeypatch.setattr(read, "_read_views", spy)
     wide = 2 * read.ROWS_MIN_BYTES // 4  # fp32 columns: a half's row is ROWS_MIN_BYTES
     full = {"w": torch.randn(1024, 512), "b": torch.randn(2, 700, 600).to(torch.bfloat16),
             "wide": torch.randn(40, wide)}
@@ -612,7 +697,9 @@ def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     loaded = dist_ckpt.load(request, tmp_path / "c")
     for k, t in full.items():
         assert tensors_bitwise_equal(loaded[k], t), k
-    assert row_reads == [read.ROWS_MIN_BYTES] * 2  # the two halves of "wide"; "w" and "b" through the buffer
+    # the two halves of "wide", each of its 40 rows straight into the destination (the second
+    # half in one pass with its blob's ends); "w" and "b" through the buffer
+    assert [n for n in row_reads if n] == [40, 40], row_reads
     _flip_byte_of(tmp_path / "c", "w")
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch for 'w'"):
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},

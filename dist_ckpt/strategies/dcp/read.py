@@ -10,6 +10,13 @@ is located inside its blob (``record.locate_tensor_data``) and its bytes go
   or a strided destination), from which each item copies its region: a small blob into the
   reader thread's own, a large chunk into one of ``SCRATCH_BUFFERS`` that the threads share.
 
+Locating a tensor takes its blob's first and last 4 KiB (two small reads) the first time a
+layout is met; a later large blob of the same length, dtype and chunk shape is read front to
+back in one pass (its ends into small buffers, its data straight into place) and its layout
+checked after. On a cold page cache, with 8 threads, the two end reads before each data read
+cost a 2-rank load of 1 GiB 0.70-0.80 s against 0.56-0.59 s in one pass (in turn, medians of
+16 rounds); with 2 threads they had cost nothing measurable.
+
 Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
 manifest entry looked up once per item; the manifest itself is read once per load.
 Neighbouring small items are read together (one call for up to ``COALESCE`` bytes). Items are
@@ -33,6 +40,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 import numpy
 import torch
 import xxhash
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...core import CorruptCheckpointError
@@ -195,22 +203,39 @@ def _row_views(target: torch.Tensor) -> Optional[List[memoryview]]:
 _IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
 
 
-def _read_rows(fd: int, views: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
-    """Consecutive file bytes scattered into ``views`` with one preadv per 1024 of them."""
-    for first in range(0, len(views), _IOV_MAX):
-        batch = views[first : first + _IOV_MAX]
-        want = sum(len(v) for v in batch)
-        got = os.preadv(fd, batch, offset)
-        if got != want:  # a short read (rare): finish view by view
-            done = 0
-            for v in batch:
-                if done + len(v) > got:
-                    _read_into(fd, v[max(0, got - done):], offset + max(got, done), path, None)
-                done += len(v)
-        if hasher is not None:
-            for v in batch:
-                hasher.update(v)
-        offset += want
+def _read_views(fd: int, views: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
+    """Consecutive file bytes from ``offset`` scattered into ``views`` in order, in calls of
+    READ_PIECE bytes (views split or joined to fill them; at most 1024 buffers a call), each
+    call's bytes hashed right after it (while in cache)."""
+    batch: List[memoryview] = []
+    size = 0
+    for view in views:
+        start = 0
+        while start < len(view):
+            if size == READ_PIECE or len(batch) == _IOV_MAX:
+                _read_batch(fd, batch, offset, path, hasher)
+                offset += size
+                batch, size = [], 0
+            piece = view[start : start + READ_PIECE - size]
+            batch.append(piece)
+            size += len(piece)
+            start += len(piece)
+    if batch:
+        _read_batch(fd, batch, offset, path, hasher)
+
+
+def _read_batch(fd: int, batch: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
+    want = sum(len(v) for v in batch)
+    got = os.preadv(fd, batch, offset)
+    if got != want:  # a short read (rare): finish view by view
+        done = 0
+        for v in batch:
+            if done + len(v) > got:
+                _read_into(fd, v[max(0, got - done):], offset + max(got, done), path, None)
+            done += len(v)
+    if hasher is not None:
+        for v in batch:
+            hasher.update(v)
 
 
 def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
@@ -242,6 +267,10 @@ class _LayoutCache:
         self._known: Dict[Tuple[int, bytes], StoredTensor] = {}
         self._lock = threading.Lock()
 
+    def known(self, length: int) -> List[StoredTensor]:
+        """The layouts located so far of blobs ``length`` bytes long."""
+        return [stored for (known_length, _), stored in list(self._known.items()) if known_length == length]
+
     def locate(self, head: memoryview, tail: memoryview, length: int) -> Optional[StoredTensor]:
         for (known_length, signature), known in list(self._known.items()):
             if known_length == length and len(head) >= len(signature) and layout_signature(head, known) == signature:
@@ -257,6 +286,7 @@ class _GroupReader:
     def __init__(self, root: Path, planner: LoadPlanner, manifest: Optional[Manifest], fallback: Fallback) -> None:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
         self.layouts = _LayoutCache()
+        self._chunks: Dict[str, Dict[Tuple[int, ...], Tuple[Tuple[int, ...], torch.dtype]]] = {}
 
     def read_run(self, lane: _Lane, run: List[ItemGroup]) -> None:
         """Neighbouring small items of one file in one read call, then each from memory."""
@@ -324,6 +354,9 @@ class _GroupReader:
         self._scatter(lane, buffer, stored, group, path)
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
+        predicted = self._predicted_layout(group)
+        if predicted is not None and self._read_in_one_pass(lane, fd, group, entry, predicted, what):
+            return
         path = self.root / group.file
         edge = min(_HEAD, group.length)
         head = os.pread(fd, edge, group.offset)
@@ -336,31 +369,100 @@ class _GroupReader:
         hasher = xxhash.xxh3_64() if entry is not None else None
         if hasher is not None:
             hasher.update(head[: stored.data_offset])
-        target = self._direct_target(group, stored)
-        rows = None
-        if target is not None and not target.is_contiguous():
-            rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
-            if rows is None:
-                target = None  # not contiguous, rows short or not evenly strided: through the scratch buffer
-        if target is None and rows is None:
+        target, rows = self._destination(group, stored)
+        if target is None:
             span = self._partial_span(group, stored, entry)
             if span is not None:
                 self._read_partial(lane, fd, group, stored, entry, head, tail, span, what)
                 return
-        if rows is not None:
-            _read_rows(fd, rows, group.offset + stored.data_offset, path, hasher)
-        elif target is not None:
-            _read_into(fd, tensor_bytes(target), group.offset + stored.data_offset, path, hasher)
-        else:
-            buffer = lane.buffer(stored.nbytes)
-            _read_into(fd, tensor_bytes(buffer), group.offset + stored.data_offset, path, hasher)
+        buffer = lane.buffer(stored.nbytes) if target is None else None
+        _read_views(fd, self._data_views(target, rows, buffer), group.offset + stored.data_offset, path, hasher)
         if hasher is not None:
             hasher.update(tail[stored.data_offset + stored.nbytes - tail_start :])
         self._check(group, entry, hasher, what)
-        if target is not None:
-            self.planner.commit_tensor(group.items[0], target)
+        self._place(lane, group, stored, target, buffer, path)
+
+    def _predicted_layout(self, group: ItemGroup) -> Optional[StoredTensor]:
+        """A layout already met in this load for blobs of this length, dtype and chunk shape
+        (as ``.metadata`` records the chunk), or None."""
+        chunk = self._stored_chunk(group.items[0])
+        if chunk is None:
+            return None
+        for stored in self.layouts.known(group.length):
+            if (stored.shape, stored.dtype) == chunk:
+                return stored
+        return None
+
+    def _stored_chunk(self, item: ReadItem) -> Optional[Tuple[Tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of the stored chunk ``item`` reads from: from our planner, which
+        knows it, or as the ``.metadata`` of DCP's planners records it (each tensor's chunks
+        indexed once, when first asked for); None when the planner has neither."""
+        ours = getattr(self.planner, "stored_chunk", None)
+        if ours is not None:
+            return cast(Tuple[Tuple[int, ...], torch.dtype], ours(item))
+        fqn = item.storage_index.fqn
+        chunks = self._chunks.get(fqn)
+        if chunks is None:
+            stored = getattr(getattr(self.planner, "metadata", None), "state_dict_metadata", {}).get(fqn)
+            chunks = {}
+            if isinstance(stored, TensorStorageMetadata):
+                dtype = stored.properties.dtype
+                chunks = {tuple(c.offsets): (tuple(c.sizes), dtype) for c in stored.chunks}
+            self._chunks[fqn] = chunks
+        return chunks.get(tuple(item.storage_index.offset))
+
+    def _read_in_one_pass(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry],
+                          stored: StoredTensor, what: str) -> bool:
+        """Read the blob of a layout met before in one pass front to back: its bytes before the
+        data into a small buffer, the data straight into its destination (or the scratch
+        buffer), the bytes after into another; then check that the blob does have that layout.
+        On a cold page cache this saves the two small reads of its ends that locating it costs
+        first, each a round trip to the disk (about 0.3 s per lane for 350 blobs here). False,
+        having read for nothing, when the blob turns out to have another layout, or when only a
+        part of its data is needed (the caller then reads it the careful way)."""
+        target, rows = self._destination(group, stored)
+        if target is None and self._partial_span(group, stored, entry) is not None:
+            return False
+        path = self.root / group.file
+        head = bytearray(stored.data_offset)
+        tail = bytearray(group.length - stored.data_offset - stored.nbytes)
+        buffer = lane.buffer(stored.nbytes) if target is None else None
+        hasher = xxhash.xxh3_64() if entry is not None else None
+        _read_views(fd, [memoryview(head), *self._data_views(target, rows, buffer), memoryview(tail)], group.offset,
+                    path, hasher)
+        if self.layouts.locate(memoryview(head), memoryview(tail), group.length) != stored:
+            return False
+        self._check(group, entry, hasher, what)
+        self._place(lane, group, stored, target, buffer, path)
+        return True
+
+    def _destination(self, group: ItemGroup, stored: StoredTensor
+                     ) -> Tuple[Optional[torch.Tensor], Optional[List[memoryview]]]:
+        """Where the stored data is read to: the destination itself (contiguous: rows None), its
+        rows (a strided destination of rows at least ROWS_MIN_BYTES long), or neither (None,
+        None: the scratch buffer, then a copy)."""
+        target = self._direct_target(group, stored)
+        if target is None or target.is_contiguous():
+            return target, None
+        rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
+        return (None, None) if rows is None else (target, rows)  # short or uneven rows: the scratch buffer
+
+    @staticmethod
+    def _data_views(target: Optional[torch.Tensor], rows: Optional[List[memoryview]],
+                    buffer: Optional[torch.Tensor]) -> List[memoryview]:
+        if rows is not None:
+            return rows
+        return [tensor_bytes(cast(torch.Tensor, target if buffer is None else buffer))]
+
+    def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
+               buffer: Optional[torch.Tensor], path: Path) -> None:
+        """Finish an item whose data was read (and checked): commit the destination it was read
+        into, or copy its regions out of the scratch buffer."""
+        if target is None:
+            self._scatter(lane, cast(torch.Tensor, buffer), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
+                          group, path)
         else:
-            self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+            self.planner.commit_tensor(group.items[0], target)
 
     @staticmethod
     def _partial_span(group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]

@@ -11,7 +11,7 @@ back at the end (``copy_back``). ShardedObjects arrive as bytes (``load_bytes``)
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, List, cast
+from typing import Any, Dict, List, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -70,6 +70,12 @@ class ViewLoadPlanner(LoadPlanner):
                 return self._box_view(task.request)
             return self._box_view(task.request)[task.direct.slices_in(box)]
         return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
+
+    def stored_chunk(self, read_item: ReadItem) -> Tuple[Tuple[int, ...], torch.dtype]:
+        """The shape and dtype of the stored chunk ``read_item`` reads from (the planning
+        checked that it has the request's dtype): the reader predicts a blob's layout from it."""
+        task = self._tasks[_task_index(read_item)]
+        return tuple(task.chunk.stored_sizes), self._requests[task.request].dtype
 
     def scatter_region(self, read_item: ReadItem, region: torch.Tensor) -> bool:
         """A read item that is copied out piece by piece (a flattened range on either side,
