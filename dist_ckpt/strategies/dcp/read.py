@@ -409,7 +409,8 @@ class _GroupReader:
                 dtype = stored.properties.dtype
                 chunks = {tuple(c.offsets): (tuple(c.sizes), dtype) for c in stored.chunks}
             self._chunks[fqn] = chunks
-        return chunks.get(tuple(item.storage_index.offset))
+        offset = item.storage_index.offset
+        return None if offset is None else chunks.get(tuple(offset))
 
     def _read_in_one_pass(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry],
                           stored: StoredTensor, what: str) -> bool:
