@@ -769,7 +769,7 @@ def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path,
 def test_copy_in_this_thread_equals_torch_copy():
     """The reader's strided copy (numpy, on the calling thread) gives torch's bytes for every
     element size, and hands what numpy cannot take to torch."""
-    from dist_ckpt.strategies.dcp.read import copy_in_this_thread
+    from dist_ckpt.strategies.dcp.chunk_copy import copy_in_this_thread
 
     for dtype in (torch.bool, torch.uint8, torch.bfloat16, torch.float16, torch.float32, torch.int64,
                   torch.complex64, torch.complex128, torch.float8_e4m3fn):

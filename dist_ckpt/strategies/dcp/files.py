@@ -40,7 +40,8 @@ from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, 
 from ...runtime.durable import atomic_write_bytes, fsync_directory
 from ...runtime.file_cache import ParsedFileCache
 from .metadata import MCoreMetadata, MCoreSavePlan
-from .read import ItemGroup, copy_region, read_item_groups
+from .chunk_copy import copy_region
+from .read import ItemGroup, read_item_groups
 from .record import write_tensor_record
 
 __all__ = [

@@ -37,7 +37,6 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
-import numpy
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -46,9 +45,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...core import CorruptCheckpointError
 from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, check_digest, expected_entry,
                                    hash_bytes)
+from .chunk_copy import copy_in_this_thread, copy_region, needed_span
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
-__all__ = ["ItemGroup", "read_item_groups", "copy_region", "copy_in_this_thread", "needed_span", "READ_PIECE",
+__all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
            "READ_THREADS", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD"]
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
@@ -551,74 +551,6 @@ def _block_mismatch(path: Path, what: str, offset: int, length: int) -> None:
         f"{path}: checksum mismatch for {what} at bytes [{offset}, {offset + length}) (a block of its "
         f"{MANIFEST_FNAME} entry); the file is damaged"
     )
-
-
-def needed_span(items: List[ReadItem], stored: StoredTensor) -> Optional[Tuple[int, int]]:
-    """Bytes ``[start, end)`` of the stored (row-major) data that hold every element the items'
-    regions take; None when an item does not fit the stored shape (the full read reports it)."""
-    shape = stored.shape
-    strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    low, high = None, None
-    for item in items:
-        if len(item.storage_offsets) != len(shape):
-            return None
-        if any(o < 0 or n < 0 or o + n > size for o, n, size in zip(item.storage_offsets, item.lengths, shape)):
-            return None
-        if any(n == 0 for n in item.lengths):
-            continue
-        first = sum(o * st for o, st in zip(item.storage_offsets, strides))
-        last = sum((o + n - 1) * st for o, n, st in zip(item.storage_offsets, item.lengths, strides))
-        low = first if low is None else min(low, first)
-        high = last + 1 if high is None else max(high, last + 1)
-    if low is None or high is None:
-        return 0, 0
-    size = stored.dtype.itemsize
-    return low * size, high * size
-
-
-def copy_region(source: torch.Tensor, item: ReadItem, planner: LoadPlanner, what: str) -> None:
-    """Copy the region of the stored chunk ``source`` that ``item`` asks for into its
-    destination, after checking that the chunk has the axes, extent and dtype promised."""
-    if source.dim() != len(item.storage_offsets):
-        raise CorruptCheckpointError(f"{what} does not hold a tensor chunk of {len(item.storage_offsets)} axes")
-    region = source
-    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-        if start + length > region.shape[dim]:
-            raise CorruptCheckpointError(f"{what}: stored chunk of shape {tuple(source.shape)} is smaller than .metadata says")
-        region = region.narrow(dim, start, length)
-    scatter = getattr(planner, "scatter_region", None)  # ours: straight from here into the destinations
-    if scatter is not None and scatter(item, region):
-        return
-    target = planner.resolve_tensor(item).detach()
-    if target.shape != region.shape or target.dtype != region.dtype:
-        raise CorruptCheckpointError(
-            f"{what}: stored chunk has {region.dtype} {tuple(region.shape)}, .metadata promised "
-            f"{target.dtype} {tuple(target.shape)}"
-        )
-    copy_in_this_thread(target, region)
-    planner.commit_tensor(item, target)
-
-
-_SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def copy_in_this_thread(target: torch.Tensor, source: torch.Tensor) -> None:
-    """``target.copy_(source)`` (same dtype and shape) on this thread alone, the GIL released.
-
-    torch's copy of a large strided tensor starts its intra-op (OpenMP) threads; called from
-    the reader lanes of several ranks at once, those oversubscribe the cores: a resharding
-    load's copies took 0.164 s with 2 OpenMP threads per rank against 0.033 s with one (2 ranks
-    on 2 cores). numpy's copy of the same bytes runs on the calling thread."""
-    ints = _SAME_SIZE_INTS.get(source.element_size())
-    if (ints is None or target.device.type != "cpu" or source.device.type != "cpu" or target.dtype != source.dtype
-            or any(t.is_conj() or t.is_neg() or t.requires_grad for t in (target, source))
-            or any(stride == 0 and size > 1 for stride, size in zip(target.stride(), target.shape))):
-        # torch refuses to write an expanded target (elements sharing memory); numpy would not
-        target.copy_(source)
-        return
-    numpy.copyto(target.view(ints).numpy(), source.view(ints).numpy())
 
 
 def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, manifest: Optional[Manifest],

@@ -21,7 +21,7 @@ from ...core import CorruptCheckpointError
 from ...integrity.safe_unpickle import safe_torch_load
 from ...mapping import ShardedTensor
 from .plan import ReadTask
-from .read import copy_in_this_thread
+from .chunk_copy import copy_in_this_thread
 
 __all__ = ["ViewLoadPlanner", "bytes_read_item"]
 
