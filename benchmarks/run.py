@@ -19,11 +19,15 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   cannot reshard are not measured);
   load_resharded_4to2 / _2to4   dist_ckpt: a 4-rank checkpoint loaded by 2 ranks and a 2-rank
                   one by 4, each in turn with the same-layout load on as many ranks
-                  (load_same_2ranks / _4ranks): the same bytes per rank, cold cache; on 2
-                  ranks raw file I/O of the same state and the load's floor take turns too:
-                  every byte of the same-layout checkpoint's files read and hashed in as
-                  many threads as dist_ckpt's reader has, nothing planned (floor's
-                  load_same_2ranks); --load-rounds rounds (16), the order rotating;
+                  (load_same_2ranks / _4ranks): the same bytes per rank, cold cache; their
+                  floors take turns too (floor's rows of the same names): every byte of the
+                  same-layout checkpoint's own files, and an even share per rank of the other
+                  checkpoint's files, read and hashed in as many threads as dist_ckpt's reader
+                  has, nothing planned (on this VM how fast a file reads cold depends on the
+                  file: raw I/O's file of the same tensors read 1.7-1.9x slower than the
+                  checkpoint's, one thread each, in the same rounds, whichever was written
+                  last), and on 2 ranks raw file I/O of the same state; --load-rounds rounds
+                  (20), the order rotating;
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -63,7 +67,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -521,30 +525,37 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
-def _bare_read(files: List[Path], buffers: List[torch.Tensor], lanes: int = READ_THREADS) -> None:
-    """The floor of a same-layout load of dist_ckpt's files: every byte of ``files`` read with
-    preadv in 16 MiB pieces into ``buffers`` (touched, one per file) and hashed with xxh3, the
-    files' bytes split in ``lanes`` threads (as many as the reader's default), nothing else: no
-    index, no planning, no per-tensor work. What any reader of these files that checks them must
-    do, with as many reads in flight."""
+Span = Tuple[Path, int, int]  # a file and a byte range of it
+
+
+def _bare_read(spans: List[Span], buffer: torch.Tensor, lanes: int = READ_THREADS) -> None:
+    """The floor of a load of dist_ckpt's files: every byte of ``spans`` read with preadv in
+    16 MiB pieces into ``buffer`` (touched, at least as large as the spans together) and hashed
+    with xxh3, the pieces split in ``lanes`` threads (as many as the reader's default), nothing
+    else: no index, no planning, no per-tensor work. What any reader of these bytes that checks
+    them must do, with as many reads in flight."""
     import xxhash
 
     piece = 16 << 20
-    ranges = [(f, b, start, min(start + piece, b.numel())) for f, b in zip(files, buffers)
-              for start in range(0, b.numel(), piece)]
+    ranges, at = [], 0
+    for path, start, end in spans:
+        for first in range(start, end, piece):
+            last = min(first + piece, end)
+            ranges.append((path, first, buffer[at : at + last - first]))
+            at += last - first
     share = -(-len(ranges) // lanes)
 
     def read(part: List[tuple]) -> None:
         fds: Dict[Path, int] = {}
         try:
-            for f, buffer, start, end in part:
-                fd = fds.get(f)
+            for path, offset, target in part:
+                fd = fds.get(path)
                 if fd is None:
-                    fd = fds[f] = os.open(f, os.O_RDONLY)
-                view = memoryview(buffer[start:end].numpy())
+                    fd = fds[path] = os.open(path, os.O_RDONLY)
+                view = memoryview(target.numpy())
                 done = 0
                 while done < len(view):
-                    done += os.preadv(fd, [view[done:]], start + done)
+                    done += os.preadv(fd, [view[done:]], offset + done)
                 xxhash.xxh3_64(view).digest()
         finally:
             for fd in fds.values():
@@ -558,15 +569,39 @@ def _bare_read(files: List[Path], buffers: List[torch.Tensor], lanes: int = READ
         t.join()
 
 
+def _own_files(checkpoint: Path, rank: int) -> List[Span]:
+    """The data files this rank wrote, whole: what its same-layout load reads."""
+    return [(f, 0, f.stat().st_size) for f in sorted(checkpoint.glob(f"__{rank}_*.distcp"))]
+
+
+def _even_share(checkpoint: Path, rank: int, world: int) -> List[Span]:
+    """This rank's 1/``world`` of all the checkpoint's data bytes, the files taken in the order
+    of the ranks that wrote them: the bytes per rank of a resharded load of it, at their places
+    on the disk (not the ranges resharding reads: a column split reads whole chunks to use half
+    of each, whose second reading the page cache serves)."""
+    files = sorted(checkpoint.glob("__*_*.distcp"), key=lambda f: tuple(int(n) for n in f.stem.strip("_").split("_")))
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    spans, at = [], 0
+    for f, size in zip(files, sizes):
+        start, end = max(lo, at), min(hi, at + size)
+        if start < end:
+            spans.append((f, start - at, end - at))
+        at += size
+    return spans
+
+
 def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, measure: bool) -> Times:
     """Save the state as a ``world``-rank dist_ckpt checkpoint (``reshard-<world>``); with
     ``measure``, load in turn this checkpoint (same layout) and the other rank count's
     (resharded: 4 -> 2 or 2 -> 4 ranks), cold cache. Both loads read the same bytes per rank
-    (the whole state over ``world`` ranks), so their ratio is what resharding itself costs;
-    ``load_resharded`` (1 rank reads all) also has one reader process instead of 2. On 2 ranks
-    two more loads take their turns: raw file I/O of the same state and the bare-bones read of
-    the same-layout checkpoint's files (``_bare_read``), for the ratios ours / floor / raw
-    without a save just before any of them."""
+    (the whole state over ``world`` ranks), so their ratio is what resharding itself costs,
+    where the two checkpoints' files read equally fast: the bare-bones read of each
+    (``_bare_read``: the same-layout load's own files, an even share of the other's) takes its
+    turn too, and its ratio is the files' part of it. ``load_resharded`` (1 rank reads all) also
+    has one reader process instead of 2. On 2 ranks raw file I/O of the same state takes its
+    turn as well, for the ratios ours / floor / raw, without a save just before any of them."""
     state = model_state(size_mib, rank, world)
     own = Path(root) / f"reshard-{world}"
     times: Times = {}
@@ -574,27 +609,34 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         dist_ckpt.save(_sharded(state, rank, world), own)
         return times
     other_world = 4 if world == 2 else 2
-    loads: List[tuple] = [("dist_ckpt", f"load_same_{world}ranks", own),
-                          ("dist_ckpt", f"load_resharded_{other_world}to{world}", Path(root) / f"reshard-{other_world}")]
+    other = Path(root) / f"reshard-{other_world}"
+    resharded = f"load_resharded_{other_world}to{world}"
     targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
-    extra: Dict[str, Callable[[Path], None]] = {}
+
+    def ours(d: Path) -> Callable[[], Any]:
+        request = _sharded(targets, rank, world)  # built before the timing starts
+        return lambda: dist_ckpt.load(request, d)
+
+    own_spans, other_spans = _own_files(own, rank), _even_share(other, rank, world)
+    buffer = torch.ones(max(sum(e - s for _, s, e in spans) for spans in (own_spans, other_spans)), dtype=torch.uint8)
+    loads: List[Tuple[str, str, Path, Callable[[Path], Callable[[], Any]]]] = [  # each: a timed call for a directory
+        ("dist_ckpt", f"load_same_{world}ranks", own, ours),
+        ("dist_ckpt", resharded, other, ours),
+        ("floor", f"load_same_{world}ranks", own, lambda d: lambda: _bare_read(own_spans, buffer)),
+        ("floor", resharded, other, lambda d: lambda: _bare_read(other_spans, buffer)),
+    ]
     if world == 2:
-        raw_save, extra["raw"] = _tools(state, rank, world)["raw"]
+        raw_save, raw_load = _tools(state, rank, world)["raw"]
         raw_dir = Path(root) / "reshard-raw"
         raw_save(raw_dir)
         del raw_save  # it holds the state's tensors
-        files = sorted(own.glob(f"__{rank}_*.distcp"))
-        buffers = [torch.zeros(f.stat().st_size, dtype=torch.uint8) for f in files]
-        extra["floor"] = lambda d: _bare_read(files, buffers)
-        loads += [("raw", "load_same_2ranks", raw_dir), ("floor", "load_same_2ranks", own)]
+        loads.append(("raw", "load_same_2ranks", raw_dir, lambda d: lambda: raw_load(d)))
     del state
     for r in range(repeat + 1):  # round 0: warm-up, discarded
-        for tool, phase, ckpt in loads[r % len(loads):] + loads[:r % len(loads)]:
+        for tool, phase, ckpt, load in loads[r % len(loads):] + loads[:r % len(loads)]:
             if rank == 0:
                 drop_page_cache(ckpt)
-            request = _sharded(targets, rank, world) if tool == "dist_ckpt" else None
-            load = extra.get(tool) or (lambda d: dist_ckpt.load(request, d))
-            seconds = _timed(lambda: load(ckpt))
+            seconds = _timed(load(ckpt))
             if r > 0:
                 _add(times, tool, phase, seconds)
     return times
@@ -741,15 +783,17 @@ def _ratios(results: Times) -> str:
              if phase in raw and phase in med]
     if "load_resharded" in med:
         parts.append(f"resharded (1 rank reads all) / same-layout (2 ranks) load {med['load_resharded'] / med['load']:.2f}x")
+    floor = {k: statistics.median(v) for k, v in results.get("floor", {}).items()}
     for a, b in ((4, 2), (2, 4)):
-        if f"load_resharded_{a}to{b}" in med:
-            parts.append(f"load resharded {a} -> {b} ranks / same layout on {b} ranks "
-                         f"{med[f'load_resharded_{a}to{b}'] / med[f'load_same_{b}ranks']:.2f}x")
+        resharded, same = f"load_resharded_{a}to{b}", f"load_same_{b}ranks"
+        if resharded in med:
+            parts.append(f"load resharded {a} -> {b} ranks / same layout on {b} ranks {med[resharded] / med[same]:.2f}x"
+                         + (f" (the floor's, the same bytes per rank of either checkpoint's files: "
+                            f"{floor[resharded] / floor[same]:.2f}x)" if resharded in floor and same in floor else ""))
     if "async_blocked" in med:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
                      + f", step slowdown {med['async_step_slowdown']:+.1%}")
-    floor = {k: statistics.median(v) for k, v in results.get("floor", {}).items()}
     raw_beside, floor_beside = raw.get("load_same_2ranks"), floor.get("load_same_2ranks")
     if raw_beside and floor_beside and "load_same_2ranks" in med:
         ours_beside = med["load_same_2ranks"]
@@ -827,14 +871,18 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, load_rounds: int, ma
                                  ("load_same_2ranks", "load, same layout, cold cache (2 ranks, in turn with the next "
                                                       "two rows)", True),
                                  ("load_resharded_4to2", "load resharded 4 -> 2 ranks, cold cache", True),
-                                 ("load_same_4ranks", "load, same layout, cold cache (4 ranks, beside the next row)", True),
+                                 ("load_same_4ranks", "load, same layout, cold cache (4 ranks, in turn with the next "
+                                                      "two rows)", True),
                                  ("load_resharded_2to4", "load resharded 2 -> 4 ranks, cold cache", True)):
         cells = [stats(tool, phase, spread) for tool, _ in _COLUMNS]
         if any(cells):
             rows.append([label, *cells])
-        if phase == "load_same_2ranks" and stats("floor", phase):
-            rows.append([f"the floor of the row above: the same files read whole and hashed in {READ_THREADS} "
-                         "threads, nothing planned", *ours(stats("floor", phase))])
+        same = phase.replace("resharded_4to2", "same_2ranks").replace("resharded_2to4", "same_4ranks")
+        if phase.startswith("load_resharded_") and stats("floor", same) and stats("floor", phase):
+            ratio = med("floor", phase) / med("floor", same)  # type: ignore[operator]
+            rows.append([f"the floor of the two rows above: the same-layout load's files read whole / an even share "
+                         f"of the other checkpoint's files, hashed in {READ_THREADS} threads, nothing planned",
+                         *ours(f"{stats('floor', same)} / {stats('floor', phase)} ({ratio:.2f}x)")])
     if any(med(tool, "save_mem") is not None for tool, _ in _COLUMNS):
         rows.append(["peak extra memory, save / load (MiB)",
                      *[f"{med(t, 'save_mem'):.0f} / {med(t, 'load_mem'):.0f}" if med(t, "save_mem") is not None else ""
@@ -884,11 +932,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeat", type=int, default=6,
                         help="6 = one round per position for each of the 6 tools: the order rotates, and on this "
                              "VM the first load of a round is up to 2x slower whoever makes it")
-    parser.add_argument("--load-rounds", type=int, default=16,
-                        help="rounds of the loads that take turns (the resharded rows and, on 2 ranks, raw I/O and "
-                             "the floor beside them): a cold load on this VM is bimodal (in some rounds every tool "
-                             "reads 2x slower), so 6 rounds put dist_ckpt at 0.71-0.91 of raw I/O in three runs; 16 = "
-                             "4 per position of the 4 loads on 2 ranks")
+    parser.add_argument("--load-rounds", type=int, default=20,
+                        help="rounds of the loads that take turns (the resharded rows, their floors and, on 2 ranks, "
+                             "raw I/O): a cold load on this VM is bimodal (in some rounds every tool reads 2x slower), "
+                             "so 6 rounds put dist_ckpt at 0.71-0.91 of raw I/O in three runs; 20 = 4 per position of "
+                             "the 5 loads on 2 ranks, 5 of the 4 on 4 ranks")
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
     parser.add_argument("--only", default="main,async,resharded,small,local,scaling", help="which parts to run")
