@@ -15,6 +15,7 @@ import pickle
 import shutil
 import threading
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -323,12 +324,15 @@ def test_a_manifest_pickles_as_plain_rows_and_comes_back_equal():
         assert back.files["__0_0.distcp"] == entries[:2]
 
 
-def _load_from_parts(rank: int, world: int, root: str, resharded: bool) -> dict:
-    """Load with parts cut whatever this machine's cores; count what each rank read itself."""
+def _load_from_parts(rank: int, world: int, root: str, resharded: bool, min_bytes: Optional[int] = 0) -> dict:
+    """Load with parts wanted whatever this machine's cores (cut for an index of at least
+    ``min_bytes``; None: the library's threshold); count what each rank read itself."""
     import dist_ckpt.pipeline.load as load_pipeline
     from dist_ckpt.strategies.dcp import files
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    if min_bytes is not None:
+        load_pipeline.INDEX_PART_MIN_BYTES = min_bytes
     load_pipeline.may_want_parts = lambda world_size, cores: True  # read ahead even with a core per rank
     counts = {"index": 0, "manifest": 0}
     read_index, parse = files.DcpReader._read_checked_metadata, manifest_module.parse_manifest
@@ -375,6 +379,40 @@ def test_ranks_load_from_their_parts_without_reading_the_index(saved):
         assert all(r["index"] == 0 and r["manifest"] == 0 for r in results[1:]), results
 
 
+def test_a_small_index_is_read_by_every_rank_not_cut(saved):
+    """Below ``INDEX_PART_MIN_BYTES`` (1 MiB; this index has a few KB) the coordinator cuts no
+    parts even for ranks that share cores: each rank reads and parses ``.metadata`` and the
+    manifest once itself (two rounds with the coordinator cost them more than that), and loads
+    bit-exactly. An index of exactly the threshold is cut."""
+    from dist_ckpt.pipeline.load import INDEX_PART_MIN_BYTES
+
+    size = (saved / "ckpt" / ".metadata").stat().st_size
+    assert size < INDEX_PART_MIN_BYTES
+    results = run_distributed(_load_from_parts, WORLD, str(saved), False, None)
+    assert all(r["ok"] for r in results), results
+    assert all(r["index"] == 1 and r["manifest"] == 1 for r in results), results
+    results = run_distributed(_load_from_parts, WORLD, str(saved), False, size)
+    assert all(r["ok"] for r in results), results
+    assert results[0]["index"] == 1 and all(r["index"] == 0 and r["manifest"] == 0 for r in results[1:]), results
+
+
+def test_whether_an_index_is_worth_cutting_follows_its_size(saved, tmp_path):
+    """``index_bytes`` is the size of ``.metadata`` for the direct reader, 0 through a user's
+    planner (DCP's protocol reads the index itself: nothing to cut), None for a directory
+    without one; an unknown size keeps the cut as before (whenever hosts are oversubscribed)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from dist_ckpt.pipeline.load import INDEX_PART_MIN_BYTES, index_worth_cutting
+    from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+    size = (saved / "ckpt" / ".metadata").stat().st_size
+    assert TorchDistLoadShardedStrategy().index_bytes(saved / "ckpt") == size
+    assert TorchDistLoadShardedStrategy(planner=DefaultLoadPlanner()).index_bytes(saved / "ckpt") == 0
+    assert TorchDistLoadShardedStrategy().index_bytes(tmp_path) is None
+    assert [index_worth_cutting(n) for n in (None, 0, INDEX_PART_MIN_BYTES - 1, INDEX_PART_MIN_BYTES)] == [
+        True, False, False, True]
+
+
 def _load_with_a_replacement(rank: int, world: int, root: str, name: str, step: str, verify: bool) -> object:
     """Load a copy of ``ckpt`` with parts while rank 0 swaps ``other`` (the same structure, other
     values) in for it just before ``step`` of ``pipeline.load`` runs (``_open`` runs on every
@@ -385,6 +423,7 @@ def _load_with_a_replacement(rank: int, world: int, root: str, name: str, step: 
     import dist_ckpt.pipeline.load as load_pipeline
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    load_pipeline.INDEX_PART_MIN_BYTES = 0  # the small test index is cut too
     load_pipeline.may_want_parts = lambda world_size, cores: True  # the coordinator reads ahead
     ckpt = f"{root}/{name}"
     real_step = getattr(load_pipeline, step)
@@ -497,6 +536,7 @@ def _load_with_a_stalled_cut(rank: int, world: int, root: str, stalled_step: str
     from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    load_pipeline.INDEX_PART_MIN_BYTES = 0  # the small test index is cut too
     load_pipeline.may_want_parts = lambda world_size, cores: True
     if rank == 0:
         owner, name = ((load_pipeline, "_cut_parts") if stalled_step == "cut"
@@ -638,6 +678,7 @@ def _load_with_a_broken_cut(rank: int, world: int, root: str) -> tuple:
     import dist_ckpt.pipeline.load as load_pipeline
 
     load_pipeline.wants_index_part = lambda hosts: [True] * len(hosts)
+    load_pipeline.INDEX_PART_MIN_BYTES = 0  # the small test index is cut too
     cut = IndexCutter.part
     calls = []
 

@@ -178,6 +178,14 @@ class LoadShardedStrategy(LoadStrategyBase):
         whole index."""
         return None
 
+    def index_bytes(self, checkpoint_dir: Path) -> Optional[int]:
+        """On the load's coordinator (dist_ckpt's extension): how many bytes of index every rank
+        reads when it gets no part from ``index_parts`` (what a part would save it). The
+        coordinator cuts parts only for an index of at least ``pipeline.load.INDEX_PART_MIN_BYTES``:
+        below that, ranks that share cores read it faster than they wait for the cut. None (the
+        default): unknown, parts are cut whenever a rank's host runs more ranks than it has cores."""
+        return None
+
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
         """``load`` with this rank's part from ``index_parts`` (called only with a part)."""

@@ -429,6 +429,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         cutter = IndexCutter(read_dcp_metadata(Path(checkpoint_dir)))
         return map(cutter.part, requests)
 
+    def index_bytes(self, checkpoint_dir: Path) -> Optional[int]:
+        """The size of ``.metadata``; 0 when the load goes through a user's reader or planner
+        (which reads the index itself: no parts), None when the file cannot be seen (the ranks'
+        own readings report it)."""
+        if not self._reads_directly():
+            return 0
+        try:
+            return (Path(checkpoint_dir) / DCP_METADATA_FNAME).stat().st_size
+        except OSError:
+            return None
+
     def prefetch_index(self, checkpoint_dir: Path) -> None:
         """``.metadata`` read and checked into the process's cache, which ``index_parts`` and
         this rank's ``load`` read it from (a changed file is read again: the cache is keyed by
