@@ -398,17 +398,27 @@ def test_a_small_index_is_read_by_every_rank_not_cut(saved):
 
 def test_whether_an_index_is_worth_cutting_follows_its_size(saved, tmp_path):
     """``index_bytes`` is the size of ``.metadata`` for the direct reader, 0 through a user's
-    planner (DCP's protocol reads the index itself: nothing to cut), None for a directory
-    without one; an unknown size keeps the cut as before (whenever hosts are oversubscribed)."""
+    planner (DCP's protocol reads the index itself: nothing to cut) and for a strategy that
+    cuts no parts, None for a directory without one and for a strategy that cuts parts without
+    saying its size; an unknown size keeps the cut as before (whenever hosts are oversubscribed)."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     from dist_ckpt.pipeline.load import INDEX_PART_MIN_BYTES, index_worth_cutting
+    from dist_ckpt.strategies.base import LoadShardedStrategy
+    from dist_ckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
     size = (saved / "ckpt" / ".metadata").stat().st_size
     assert TorchDistLoadShardedStrategy().index_bytes(saved / "ckpt") == size
     assert TorchDistLoadShardedStrategy(planner=DefaultLoadPlanner()).index_bytes(saved / "ckpt") == 0
     assert TorchDistLoadShardedStrategy().index_bytes(tmp_path) is None
+    assert FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()).index_bytes(saved / "ckpt") == 0
+
+    class OwnParts(TorchDistLoadShardedStrategy):  # a strategy with its own cut and no size: as before
+        def index_bytes(self, checkpoint_dir):
+            return LoadShardedStrategy.index_bytes(self, checkpoint_dir)
+
+    assert OwnParts().index_bytes(saved / "ckpt") is None
     assert [index_worth_cutting(n) for n in (None, 0, INDEX_PART_MIN_BYTES - 1, INDEX_PART_MIN_BYTES)] == [
         True, False, False, True]
 

@@ -182,9 +182,11 @@ class LoadShardedStrategy(LoadStrategyBase):
         """On the load's coordinator (dist_ckpt's extension): how many bytes of index every rank
         reads when it gets no part from ``index_parts`` (what a part would save it). The
         coordinator cuts parts only for an index of at least ``pipeline.load.INDEX_PART_MIN_BYTES``:
-        below that, ranks that share cores read it faster than they wait for the cut. None (the
-        default): unknown, parts are cut whenever a rank's host runs more ranks than it has cores."""
-        return None
+        below that, ranks that share cores read it faster than they wait for the cut. None:
+        unknown, parts are cut whenever a rank's host runs more ranks than it has cores (the
+        default for a strategy that overrides ``index_parts``); 0 (the default otherwise): there
+        is nothing to cut, and the ranks need not send their regions for nothing."""
+        return 0 if type(self).index_parts is LoadShardedStrategy.index_parts else None
 
     def load_with_index_part(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
                              index_part: IndexPart) -> StateDict:
