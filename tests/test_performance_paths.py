@@ -17,6 +17,7 @@ import pickle
 import zlib
 from pathlib import Path
 
+import numpy
 import psutil
 import pytest
 import torch
@@ -519,7 +520,8 @@ def _flip_byte_of(ckpt: Path, key: str, at_data: bool = True) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("n, size", [(60, 16), (3, 600_000)])  # coalesced small items; large direct reads
+# coalesced small items; mid-size ones (ONE_PASS_MIN < blob <= SMALL_BLOB) and large ones read in place
+@pytest.mark.parametrize("n, size", [(60, 16), (4, 100_000), (3, 600_000)])
 def test_direct_reader_round_trip_and_damage(tmp_path, n, size):
     from dist_ckpt.core import CorruptCheckpointError
 
@@ -666,6 +668,62 @@ def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch
     path.write_bytes(pristine)
 
 
+
+
+def test_mid_size_blobs_are_read_straight_into_place(tmp_path, monkeypatch):
+    """A plain tensor blob longer than ONE_PASS_MIN lands in its (contiguous) destination with
+    the read itself, as a large one does, and is not coalesced with its neighbours into a
+    buffer to be copied from (a 4 -> 2 resharding load's row halves of 0.5 MiB each took a
+    second copy that way); one shorter than that still is."""
+    from dist_ckpt.strategies.dcp import read
+
+    gen = torch.Generator().manual_seed(5)
+    mid = {f"m{i}": torch.randn(read.ONE_PASS_MIN // 4 + 1000 * (i + 1), generator=gen) for i in range(4)}
+    short = {f"s{i}": torch.randn(read.ONE_PASS_MIN // 16, generator=gen) for i in range(4)}
+    assert all(read.ONE_PASS_MIN < t.numel() * 4 <= read.SMALL_BLOB for t in mid.values())
+    tensors = {**mid, **short}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}, tmp_path / "c")
+    addresses = []  # the memory each read call wrote to
+    real_read_views, real_read_into = read._read_views, read._read_into
+
+    def spy_views(fd, views, offset, path, hasher):
+        addresses.extend(numpy.frombuffer(v, dtype=numpy.uint8).ctypes.data for v in views if len(v))
+        return real_read_views(fd, views, offset, path, hasher)
+
+    def spy_into(fd, view, offset, path, hasher):
+        addresses.append(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+        return real_read_into(fd, view, offset, path, hasher)
+
+    monkeypatch.setattr(read, "_read_views", spy_views)
+    monkeypatch.setattr(read, "_read_into", spy_into)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy(thread_count=1))
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
+    assert all(request[k].data.data_ptr() in addresses for k in mid), "a mid-size blob went through a buffer"
+    assert not any(request[k].data.data_ptr() in addresses for k in short)
+
+
+def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch):
+    """A stored chunk that fills a strided column slice of its destination (resharding a column
+    split) is copied from the read buffer into the destination resolved when the read was
+    planned: the planner resolves each read item once, not again for the copy."""
+    from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
+
+    calls = []
+    real_resolve = ViewLoadPlanner.resolve_tensor
+    monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor",
+                        lambda self, item: (calls.append(item.dest_index.index), real_resolve(self, item))[1])
+    gen = torch.Generator().manual_seed(6)
+    full = {"small": torch.randn(64, 32, generator=gen), "mid": torch.randn(512, 256, generator=gen),
+            "large": torch.randn(1024, 512, generator=gen).to(torch.bfloat16)}
+    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * (t.shape[1] // 2):(h + 1) * (t.shape[1] // 2)]
+                                                          .clone(), (1, h, 2))
+              for k, t in full.items() for h in range(2)}
+    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
+                            tmp_path / "c")
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    assert sorted(calls) == list(range(2 * len(full))), calls  # each of the 6 read items once
 
 
 def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):

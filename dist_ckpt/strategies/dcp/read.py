@@ -5,10 +5,13 @@ The straightforward read of an item costs three copies: the blob into a new ``by
 is located inside its blob (``record.locate_tensor_data``) and its bytes go
 
 * straight into the destination's memory when one read item takes the whole stored chunk
-  into a contiguous destination of the same dtype (the same-layout load), or
+  into a contiguous destination of the same dtype (the same-layout load; and the row halves of
+  a 4 -> 2 resharding load, blobs of 0.5 MiB: any plain tensor blob over ``ONE_PASS_MIN``), or
 * into a reused scratch buffer otherwise (resharding: several read items cut from one chunk,
   or a strided destination), from which each item copies its region: a small blob into the
   reader thread's own, a large chunk into one of ``SCRATCH_BUFFERS`` that the threads share.
+  A chunk that fills a strided column slice goes there in one copy, into the destination
+  resolved when its read was planned.
 
 Locating a tensor takes its blob's first and last 4 KiB (two small reads) the first time a
 layout is met; a later large blob of the same length, dtype and chunk shape is read front to
@@ -19,7 +22,8 @@ cost a 2-rank load of 1 GiB 0.68-0.80 s against 0.56-0.59 s in one pass (in turn
 
 Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
 manifest entry looked up once per item; the manifest itself is read once per load.
-Neighbouring small items are read together (one call for up to ``COALESCE`` bytes). Items are
+Neighbouring short items (up to ``ONE_PASS_MIN``) are read together (one call for up to
+``COALESCE`` bytes) and copied from that buffer. Items are
 split over ``thread_count`` reader threads in runs of neighbouring items (each thread reads
 mostly sequentially), balanced by bytes; ``READ_THREADS`` (8) by default, fewer for a load of
 few bytes (``BYTES_PER_THREAD``). On a cold page cache more reads in flight kept a 2-rank load
@@ -52,8 +56,11 @@ __all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
            "READ_THREADS", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD"]
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
-SMALL_BLOB = 1 << 20  # items up to this size are read whole in one call
-COALESCE = 8 << 20  # neighbouring small items are read together, up to this many bytes a call
+SMALL_BLOB = 1 << 20  # scratch memory up to this size is the reader thread's own
+# plain tensor blobs longer than this are read straight into their destination (as a large one
+# is); shorter ones are read whole into a buffer and copied from it, with their neighbours
+ONE_PASS_MIN = 64 << 10
+COALESCE = 8 << 20  # neighbouring short items are read together, up to this many bytes a call
 RUN_GAP = 64  # ... when fewer bytes than this lie between them (a writer's alignment padding)
 READ_THREADS = 8  # reader threads per rank by default: on a cold cache, more reads in flight
 # ... but a small load gets few: below BYTES_PER_THREAD bytes a thread, more threads only add
@@ -173,7 +180,7 @@ def _runs(groups: List[ItemGroup]) -> List[List[ItemGroup]]:
     runs: List[List[ItemGroup]] = []
     for g in groups:
         prev = runs[-1][-1] if runs else None
-        if (prev is not None and g.length <= SMALL_BLOB and prev.length <= SMALL_BLOB and prev.file == g.file
+        if (prev is not None and g.length <= ONE_PASS_MIN and prev.length <= ONE_PASS_MIN and prev.file == g.file
                 and 0 <= g.offset - (prev.offset + prev.length) < RUN_GAP
                 and g.offset + g.length - runs[-1][0].offset <= COALESCE):
             runs[-1].append(g)
@@ -287,6 +294,15 @@ class _GroupReader:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
         self.layouts = _LayoutCache()
         self._chunks: Dict[str, Dict[Tuple[int, ...], Tuple[Tuple[int, ...], torch.dtype]]] = {}
+        self._paths: Dict[str, Path] = {}
+
+    def _path(self, file: str) -> Path:
+        """The data file's path (for the errors that name it), built once per file: a load
+        reads hundreds of items from each."""
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = self.root / file
+        return path
 
     def read_run(self, lane: _Lane, run: List[ItemGroup]) -> None:
         """Neighbouring small items of one file in one read call, then each from memory."""
@@ -299,7 +315,7 @@ class _GroupReader:
             return
         if lane.window.numel() < end - first.offset:
             lane.window = torch.empty(end - first.offset, dtype=torch.uint8)
-        _read_into(fd, tensor_bytes(lane.window[: end - first.offset]), first.offset, self.root / first.file, None)
+        _read_into(fd, tensor_bytes(lane.window[: end - first.offset]), first.offset, self._path(first.file), None)
         lane.window_file, lane.window_offset = first.file, first.offset
         try:
             for group in run:
@@ -308,7 +324,7 @@ class _GroupReader:
             lane.window_file = None
 
     def read(self, lane: _Lane, group: ItemGroup) -> None:
-        path = self.root / group.file
+        path = self._path(group.file)
         fd, file_size = lane.open(group)
         what = f"'{group.items[0].storage_index.fqn}'"
         if group.offset + group.length > file_size:
@@ -318,7 +334,7 @@ class _GroupReader:
             )
         entry = None if self.manifest is None else expected_entry(self.manifest, self.root, group.file, group.offset, what)
         plain = not group.transformed and all(i.type == LoadItemType.TENSOR for i in group.items)
-        if not plain or group.length <= SMALL_BLOB:
+        if not plain or group.length <= ONE_PASS_MIN or lane.window_file == group.file:
             self._read_whole(lane, fd, group, entry, what, plain)
         else:
             self._read_large(lane, fd, group, entry, what)
@@ -329,7 +345,7 @@ class _GroupReader:
 
     def _read_whole(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str,
                     plain: bool) -> None:
-        path = self.root / group.file
+        path = self._path(group.file)
         hasher = xxhash.xxh3_64() if entry is not None else None
         if lane.window_file == group.file:  # read already, with its neighbours
             start = group.offset - lane.window_offset
@@ -351,13 +367,13 @@ class _GroupReader:
             tensor_bytes(target)[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
             self.planner.commit_tensor(group.items[0], target)
             return
-        self._scatter(lane, buffer, stored, group, path)
+        self._scatter(lane, buffer, stored, group, path, target)
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
         predicted = self._predicted_layout(group)
         if predicted is not None and self._read_in_one_pass(lane, fd, group, entry, predicted, what):
             return
-        path = self.root / group.file
+        path = self._path(group.file)
         edge = min(_HEAD, group.length)
         head = os.pread(fd, edge, group.offset)
         tail_start = group.length - edge
@@ -369,8 +385,8 @@ class _GroupReader:
         hasher = xxhash.xxh3_64() if entry is not None else None
         if hasher is not None:
             hasher.update(head[: stored.data_offset])
-        target, rows = self._destination(group, stored)
-        if target is None:
+        target, rows, strided = self._destination(group, stored)
+        if target is None and strided is None:
             span = self._partial_span(group, stored, entry)
             if span is not None:
                 self._read_partial(lane, fd, group, stored, entry, head, tail, span, what)
@@ -380,7 +396,7 @@ class _GroupReader:
         if hasher is not None:
             hasher.update(tail[stored.data_offset + stored.nbytes - tail_start :])
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, buffer, path)
+        self._place(lane, group, stored, target, buffer, path, strided)
 
     def _predicted_layout(self, group: ItemGroup) -> Optional[StoredTensor]:
         """A layout already met in this load for blobs of this length, dtype and chunk shape
@@ -422,10 +438,10 @@ class _GroupReader:
         with a read of each piece's first and last 4 KiB before it; either one alone cost nothing). False,
         having read for nothing, when the blob turns out to have another layout, or when only a
         part of its data is needed (the caller then reads it the careful way)."""
-        target, rows = self._destination(group, stored)
-        if target is None and self._partial_span(group, stored, entry) is not None:
+        target, rows, strided = self._destination(group, stored)
+        if target is None and strided is None and self._partial_span(group, stored, entry) is not None:
             return False
-        path = self.root / group.file
+        path = self._path(group.file)
         head = bytearray(stored.data_offset)
         tail = bytearray(group.length - stored.data_offset - stored.nbytes)
         buffer = lane.buffer(stored.nbytes) if target is None else None
@@ -435,19 +451,20 @@ class _GroupReader:
         if self.layouts.locate(memoryview(head), memoryview(tail), group.length) != stored:
             return False
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, buffer, path)
+        self._place(lane, group, stored, target, buffer, path, strided)
         return True
 
     def _destination(self, group: ItemGroup, stored: StoredTensor
-                     ) -> Tuple[Optional[torch.Tensor], Optional[List[memoryview]]]:
+                     ) -> Tuple[Optional[torch.Tensor], Optional[List[memoryview]], Optional[torch.Tensor]]:
         """Where the stored data is read to: the destination itself (contiguous: rows None), its
         rows (a strided destination of rows at least ROWS_MIN_BYTES long), or neither (None,
-        None: the scratch buffer, then a copy)."""
+        None: the scratch buffer, then a copy); third, a strided destination of the whole chunk
+        that the scratch buffer is copied into (resolved here once), else None."""
         target = self._direct_target(group, stored)
         if target is None or target.is_contiguous():
-            return target, None
+            return target, None, None
         rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
-        return (None, None) if rows is None else (target, rows)  # short or uneven rows: the scratch buffer
+        return (None, None, target) if rows is None else (target, rows, None)  # short or uneven rows: scratch
 
     @staticmethod
     def _data_views(target: Optional[torch.Tensor], rows: Optional[List[memoryview]],
@@ -457,12 +474,13 @@ class _GroupReader:
         return [tensor_bytes(cast(torch.Tensor, target if buffer is None else buffer))]
 
     def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
-               buffer: Optional[torch.Tensor], path: Path) -> None:
+               buffer: Optional[torch.Tensor], path: Path, strided: Optional[torch.Tensor] = None) -> None:
         """Finish an item whose data was read (and checked): commit the destination it was read
-        into, or copy its regions out of the scratch buffer."""
+        into, or copy its regions out of the scratch buffer (into ``strided``, the whole chunk's
+        destination, when there is one)."""
         if target is None:
             self._scatter(lane, cast(torch.Tensor, buffer), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
-                          group, path)
+                          group, path, strided)
         else:
             self.planner.commit_tensor(group.items[0], target)
 
@@ -489,7 +507,7 @@ class _GroupReader:
         """Read only ``span`` of the stored data (into its place in a chunk-sized scratch
         buffer, whose other pages are never touched), each block checked against its hash,
         and the blob's bytes around the data (read already) against theirs; then scatter."""
-        path = self.root / group.file
+        path = self._path(group.file)
         start, end = span
         buffer = lane.buffer(stored.nbytes)
         view = tensor_bytes(buffer)
@@ -535,13 +553,21 @@ class _GroupReader:
             return None
         return target
 
-    def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path) -> None:
+    def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path,
+                 whole: Optional[torch.Tensor] = None) -> None:
+        """Copy the items' regions of the stored chunk in ``buffer`` into their destinations;
+        ``whole``: the one item's destination, which takes all of the chunk (``_direct_target``
+        checked its shape and dtype): one copy, without resolving it again."""
         data = buffer[stored.data_offset : stored.data_offset + stored.nbytes]
         if data.storage_offset() % stored.dtype.itemsize:  # a coalesced read put it off alignment
             aligned = torch.empty(stored.nbytes, dtype=torch.uint8)  # not lane.buffer: data may lie there
             copy_in_this_thread(aligned, data)
             data = aligned
         source = data.view(stored.dtype).view(stored.shape) if stored.nbytes else torch.empty(stored.shape, dtype=stored.dtype)
+        if whole is not None:
+            copy_in_this_thread(whole, source)
+            self.planner.commit_tensor(group.items[0], whole)
+            return
         for item in group.items:
             copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
 
