@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 import xxhash
@@ -237,3 +238,49 @@ def test_a_manifest_without_block_hashes_reads_chunks_whole(saved, tmp_path):
     assert json.loads((old / MANIFEST_FNAME).read_bytes())["version"] == 2
     results = run_distributed(_load_counting, 4, str(old), True)
     assert [(r.get("ok"), r["bytes"]) for r in results] == [(True, CHUNK_BYTES)] * 4
+
+
+@pytest.mark.parametrize("rows", [(1024, 2048), (100, 1000)])  # on block boundaries; inside blocks
+def test_a_run_of_whole_rows_is_read_straight_into_place(tmp_path, monkeypatch, rows):
+    """A request of whole rows of a stored chunk (a row split resharded to more ranks) gets
+    them with the read itself, into its contiguous destination: no scratch buffer of the
+    chunk's size, no copy. Every block the rows touch is checked, a block they share with rows
+    they do not take too (its other rows read into a small buffer beside): a flipped byte there
+    is refused as well as one in the rows."""
+    from dist_ckpt.strategies.dcp import read
+
+    first, last = rows
+    full = _full("whole", (ROWS, COLS))  # one chunk of 16 MiB: 1 MiB blocks of 256 rows
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path / "c")
+
+    def request() -> dict:
+        part = torch.zeros(last - first, COLS)
+        return {"w": ShardedTensor("w", part, torch.float32, tuple(part.shape), (ROWS, COLS), (first, 0), None)}
+
+    written, scratch_sizes, copies = set(), [], []
+    real_read_views, real_buffer, real_copy = read._read_views, read._Lane.buffer, read.copy_in_this_thread
+    monkeypatch.setattr(read, "_read_views", lambda fd, views, *rest: (
+        written.update(numpy.frombuffer(v, dtype=numpy.uint8).ctypes.data for v in views),
+        real_read_views(fd, views, *rest))[1])
+    monkeypatch.setattr(read._Lane, "buffer", lambda self, n: (scratch_sizes.append(n), real_buffer(self, n))[1])
+    monkeypatch.setattr(read, "copy_in_this_thread", lambda t, s: (copies.append(t.shape), real_copy(t, s))[1])
+    wanted = request()
+    loaded = dist_ckpt.load(wanted, tmp_path / "c", validate_access_integrity=False)
+    assert tensors_bitwise_equal(loaded["w"], full[first:last])
+    assert wanted["w"].data.data_ptr() in written
+    assert scratch_sizes == [] and copies == [], (scratch_sizes, copies)
+
+    content = json.loads((tmp_path / "c" / MANIFEST_FNAME).read_bytes())
+    file, offset, _, _, _, (data_start, _, block, _) = next(r for r in content["entries"] if len(r) == 6)
+    outside = (first - first % (block // (COLS * 4)) + 1) * COLS * 4 if first % (block // (COLS * 4)) else None
+    for at in [(first + 3) * COLS * 4 + 5, outside]:  # in the rows; in their first block, before them
+        if at is None:
+            continue
+        path = tmp_path / "c" / file
+        pristine = path.read_bytes()
+        damaged = bytearray(pristine)
+        damaged[offset + data_start + at] ^= 0x10
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch for 'w' at bytes \["):
+            dist_ckpt.load(request(), tmp_path / "c", validate_access_integrity=False)
+        path.write_bytes(pristine)

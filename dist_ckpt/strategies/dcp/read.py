@@ -11,7 +11,9 @@ is located inside its blob (``record.locate_tensor_data``) and its bytes go
   or a strided destination), from which each item copies its region: a small blob into the
   reader thread's own, a large chunk into one of ``SCRATCH_BUFFERS`` that the threads share.
   A chunk that fills a strided column slice goes there in one copy, into the destination
-  resolved when its read was planned.
+  resolved when its read was planned. A run of whole rows of a chunk (a row split resharded
+  to more ranks) needs no scratch buffer: only the hashed blocks it lies in are read, the rows
+  straight into place (``_read_rows_in_place``).
 
 Locating a tensor takes its blob's first and last 4 KiB (two small reads) the first time a
 layout is met; a later large blob of the same length, dtype and chunk shape is read front to
@@ -509,27 +511,17 @@ class _GroupReader:
         and the blob's bytes around the data (read already) against theirs; then scatter."""
         path = self._path(group.file)
         start, end = span
+        data_at = group.offset + stored.data_offset
+        rows = self._row_range_target(group, stored, span)
+        if rows is not None:
+            self._read_rows_in_place(fd, group, stored, entry, head, tail, span, rows, what)
+            return
         buffer = lane.buffer(stored.nbytes)
         view = tensor_bytes(buffer)
-        data_at = group.offset + stored.data_offset
         if entry is None:
             _read_into(fd, view[start:end], data_at + start, path, None)
         else:
-            blocks = cast(BlockHashes, entry.blocks)
-            if (entry.length != group.length or blocks.data_start != stored.data_offset
-                    or blocks.data_length != stored.nbytes):
-                raise CorruptCheckpointError(
-                    f"{path}: {what} at bytes [{group.offset}, {group.offset + group.length}) does not have the "
-                    f"layout {MANIFEST_FNAME} recorded for it (its data at {stored.data_offset}, {stored.nbytes} "
-                    f"bytes); the file is damaged"
-                )
-            tail_start = group.length - len(tail)
-            segments = [(0, memoryview(head)[: stored.data_offset], blocks.hashes[0]),
-                        (stored.data_offset + stored.nbytes,
-                         memoryview(tail)[stored.data_offset + stored.nbytes - tail_start :], blocks.hashes[-1])]
-            for at, data, expected in segments:
-                if hash_bytes(data) != expected:
-                    _block_mismatch(path, what, group.offset + at, len(data))
+            blocks = self._checked_blocks(group, stored, entry, head, tail, path, what)
             size = blocks.block_bytes
             for first in range(start, end, size):
                 piece = view[first : min(first + size, end)]
@@ -538,6 +530,76 @@ class _GroupReader:
                 if hasher.hexdigest() != blocks.hashes[1 + first // size]:
                     _block_mismatch(path, what, data_at + first, len(piece))
         self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+
+    def _row_range_target(self, group: ItemGroup, stored: StoredTensor, span: Tuple[int, int]
+                          ) -> Optional[Tuple[int, int, torch.Tensor]]:
+        """``(first, end, destination)`` when the one read item takes whole rows of the stored
+        chunk (a run of its first axis: bytes ``[first, end)`` of its data, inside ``span``) into
+        a contiguous destination of the stored dtype, as a row split resharded to more ranks
+        (2 -> 4) does; else None."""
+        if len(group.items) != 1 or not stored.shape:
+            return None
+        item = group.items[0]
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        if len(offsets) != len(stored.shape) or any(offsets[1:]) or lengths[1:] != stored.shape[1:]:
+            return None
+        row_bytes = stored.nbytes // stored.shape[0] if stored.shape[0] else 0
+        first, end = offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes
+        if not row_bytes or first < span[0] or end > span[1]:
+            return None
+        target = self.planner.resolve_tensor(item).detach()
+        if (target.dtype != stored.dtype or tuple(target.shape) != lengths or not target.is_contiguous()
+                or target.device.type != "cpu"):
+            return None
+        return first, end, target
+
+    def _read_rows_in_place(self, fd: int, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry],
+                            head: bytes, tail: bytes, span: Tuple[int, int], rows: Tuple[int, int, torch.Tensor],
+                            what: str) -> None:
+        """``_read_partial`` for a run of whole rows: the rows straight into their destination,
+        the rest of the span's first and last blocks (when the rows do not start and end on a
+        block boundary) into small buffers, in one call; then each block checked, from the
+        pieces it lies in. No scratch buffer of the chunk's size, no copy."""
+        path = self._path(group.file)
+        start, end = span
+        first, last, target = rows
+        before, after = bytearray(first - start), bytearray(end - last)
+        pieces = [(start, memoryview(before)), (first, tensor_bytes(target)), (last, memoryview(after))]
+        _read_views(fd, [v for _, v in pieces if len(v)], group.offset + stored.data_offset + start, path, None)
+        if entry is not None:
+            blocks = self._checked_blocks(group, stored, entry, head, tail, path, what)
+            size = blocks.block_bytes
+            for block in range(start, end, size):
+                stop = min(block + size, end)
+                hasher = xxhash.xxh3_64()
+                for at, view in pieces:
+                    lo, hi = max(block, at), min(stop, at + len(view))
+                    if lo < hi:
+                        hasher.update(view[lo - at : hi - at])
+                if hasher.hexdigest() != blocks.hashes[1 + block // size]:
+                    _block_mismatch(path, what, group.offset + stored.data_offset + block, stop - block)
+        self.planner.commit_tensor(group.items[0], target)
+
+    def _checked_blocks(self, group: ItemGroup, stored: StoredTensor, entry: ManifestEntry, head: bytes, tail: bytes,
+                        path: Path, what: str) -> BlockHashes:
+        """The entry's block hashes, once the blob's layout and its bytes around the data (read
+        already) are checked against them."""
+        blocks = cast(BlockHashes, entry.blocks)
+        if (entry.length != group.length or blocks.data_start != stored.data_offset
+                or blocks.data_length != stored.nbytes):
+            raise CorruptCheckpointError(
+                f"{path}: {what} at bytes [{group.offset}, {group.offset + group.length}) does not have the "
+                f"layout {MANIFEST_FNAME} recorded for it (its data at {stored.data_offset}, {stored.nbytes} "
+                f"bytes); the file is damaged"
+            )
+        tail_start = group.length - len(tail)
+        segments = [(0, memoryview(head)[: stored.data_offset], blocks.hashes[0]),
+                    (stored.data_offset + stored.nbytes,
+                     memoryview(tail)[stored.data_offset + stored.nbytes - tail_start :], blocks.hashes[-1])]
+        for at, data, expected in segments:
+            if hash_bytes(data) != expected:
+                _block_mismatch(path, what, group.offset + at, len(data))
+        return blocks
 
     def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
         """The destination itself, when the one read item takes the whole chunk into memory
