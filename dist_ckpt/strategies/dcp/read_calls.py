@@ -1,0 +1,173 @@
+"""The direct reader's system calls and buffers (``read.py`` decides what to read where):
+file bytes into a list of buffers in calls of ``READ_PIECE`` bytes, each call's bytes hashed
+right after it while in cache (``_read_views``, ``_read_into``); a strided destination's rows
+as buffers (``_row_views``); one reader thread's open files and buffers (``_Lane``) and the
+large scratch buffers the threads of a load share (``_ScratchPool``); the stored blob a group
+of read items is served by (``ItemGroup``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.planner import ReadItem
+
+from ...core import CorruptCheckpointError
+from .record import tensor_bytes
+
+__all__ = ["ItemGroup", "READ_PIECE", "SMALL_BLOB"]
+
+READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
+SMALL_BLOB = 1 << 20  # scratch memory up to this size is the reader thread's own
+
+
+class ItemGroup:
+    """The read items served by one stored blob (``length`` bytes at ``offset`` of ``file``)."""
+
+    def __init__(self, file: str, offset: int, length: int, info: Any = None) -> None:
+        self.file, self.offset, self.length, self.info = file, offset, length, info
+        self.transformed = bool(getattr(info, "transform_descriptors", None))
+        self.items: List[ReadItem] = []
+
+
+class _ScratchPool:
+    """The large scratch buffers of one load's reader threads: ``count`` of them, each lent to
+    one thread at a time (for one stored chunk) and kept for the next, so the memory that
+    resharding holds for chunks in flight stays ``count`` buffers of the largest chunk read
+    through one, however many threads read. Direct reads (the same-layout load's) need none."""
+
+    def __init__(self, count: int) -> None:
+        self._free = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
+        self._returned = threading.Condition()
+
+    def take(self) -> torch.Tensor:
+        with self._returned:
+            while not self._free:
+                self._returned.wait()
+            return self._free.pop()
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self._returned:
+            self._free.append(buffer)
+            self._returned.notify()
+
+
+class _Lane:
+    """One reader thread's open files and buffers: its own for small blobs and coalesced reads,
+    one from the shared pool while it reads a large chunk through scratch memory."""
+
+    def __init__(self, root: Path, pool: _ScratchPool) -> None:
+        self.root, self.pool = root, pool
+        self.files: Dict[str, Tuple[int, int]] = {}
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+        self.borrowed: Optional[torch.Tensor] = None
+        self.window = torch.empty(0, dtype=torch.uint8)  # a coalesced read of neighbouring items
+        self.window_file: Optional[str] = None
+        self.window_offset = 0
+
+    def open(self, group: ItemGroup) -> Tuple[int, int]:
+        if group.file not in self.files:
+            path = self.root / group.file
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"data file {path} is missing; it holds '{group.items[0].storage_index.fqn}'"
+                ) from None
+            self.files[group.file] = (fd, os.fstat(fd).st_size)
+        return self.files[group.file]
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """Scratch memory for the group being read; a large one is the pool's until ``release``
+        (a second call for the same group gets the same buffer, never a second one)."""
+        if nbytes <= SMALL_BLOB:
+            if self.scratch.numel() < nbytes:
+                self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+            return self.scratch[:nbytes]
+        if self.borrowed is None:
+            self.borrowed = self.pool.take()
+        if self.borrowed.numel() < nbytes:
+            self.borrowed = torch.empty(nbytes, dtype=torch.uint8)
+        return self.borrowed[:nbytes]
+
+    def release(self) -> None:
+        """The group is done: a large buffer goes back to the pool."""
+        if self.borrowed is not None:
+            self.pool.give(self.borrowed)
+            self.borrowed = None
+
+    def close(self) -> None:
+        for fd, _ in self.files.values():
+            os.close(fd)
+        self.files.clear()
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: Path, hasher: Any) -> None:
+    done = 0
+    while done < len(view):
+        piece = view[done : done + READ_PIECE]
+        n = os.preadv(fd, [piece], offset + done)
+        if n <= 0:
+            raise CorruptCheckpointError(f"{path}: unexpected end of file at byte {offset + done}; the file is truncated")
+        if hasher is not None:
+            hasher.update(piece[:n])
+        done += n
+
+
+def _row_views(target: torch.Tensor) -> Optional[List[memoryview]]:
+    """The rows of ``target`` (its last axis, contiguous) as views of its memory, in order;
+    None if the leading axes do not form one evenly strided sequence of rows."""
+    if target.dim() < 2 or target.stride(-1) != 1 or target.numel() == 0:
+        return None
+    shape, stride = target.shape, target.stride()
+    for i in range(target.dim() - 2):
+        if stride[i] != stride[i + 1] * shape[i + 1]:
+            return None
+    itemsize = target.element_size()
+    rows, row_stride, row_bytes = target.numel() // shape[-1], stride[-2], shape[-1] * itemsize
+    storage = target.untyped_storage()
+    whole = tensor_bytes(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
+    start = target.storage_offset() * itemsize
+    step = row_stride * itemsize
+    return [whole[start + r * step : start + r * step + row_bytes] for r in range(rows)]
+
+
+_IOV_MAX = 1024  # buffers per preadv call (Linux's limit)
+
+
+def _read_views(fd: int, views: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
+    """Consecutive file bytes from ``offset`` scattered into ``views`` in order, in calls of
+    READ_PIECE bytes (views split or joined to fill them; at most 1024 buffers a call), each
+    call's bytes hashed right after it (while in cache)."""
+    batch: List[memoryview] = []
+    size = 0
+    for view in views:
+        start = 0
+        while start < len(view):
+            if size == READ_PIECE or len(batch) == _IOV_MAX:
+                _read_batch(fd, batch, offset, path, hasher)
+                offset += size
+                batch, size = [], 0
+            piece = view[start : start + READ_PIECE - size]
+            batch.append(piece)
+            size += len(piece)
+            start += len(piece)
+    if batch:
+        _read_batch(fd, batch, offset, path, hasher)
+
+
+def _read_batch(fd: int, batch: List[memoryview], offset: int, path: Path, hasher: Any) -> None:
+    want = sum(len(v) for v in batch)
+    got = os.preadv(fd, batch, offset)
+    if got != want:  # a short read (rare): finish view by view
+        done = 0
+        for v in batch:
+            if done + len(v) > got:
+                _read_into(fd, v[max(0, got - done):], offset + max(got, done), path, None)
+            done += len(v)
+    if hasher is not None:
+        for v in batch:
+            hasher.update(v)
