@@ -20,14 +20,14 @@ every tool in turn, in an order that rotates between repeats. Phases:
   load_resharded_4to2 / _2to4   dist_ckpt: a 4-rank checkpoint loaded by 2 ranks and a 2-rank
                   one by 4, each in turn with the same-layout load on as many ranks
                   (load_same_2ranks / _4ranks): the same bytes per rank, cold cache; their
-                  floors take turns too (floor's rows of the same names): every byte of the
-                  same-layout checkpoint's own files, and an even share per rank of the other
-                  checkpoint's files, read and hashed in as many threads as dist_ckpt's reader
-                  has, nothing planned (on this VM how fast a file reads cold depends on the
-                  file: raw I/O's file of the same tensors read 1.7-1.9x slower than the
-                  checkpoint's, one thread each, in the same rounds, whichever was written
-                  last), and on 2 ranks raw file I/O of the same state; --load-rounds rounds
-                  (20), the order rotating;
+                  floors take turns too (floor's rows of the same names, placement_floor.py):
+                  the bytes each load needs read into the same destination tensors and hashed,
+                  in as many threads as dist_ckpt's reader has, the chunks that land in a
+                  column slice copied there, nothing planned (on this VM how fast a file reads
+                  cold depends on the file: raw I/O's file of the same tensors read 1.7-1.9x
+                  slower than the checkpoint's, one thread each, in the same rounds, whichever
+                  was written last), and on 2 ranks raw file I/O of the same state;
+                  --load-rounds rounds (20), the order rotating;
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -85,6 +85,7 @@ from dist_ckpt.strategies.async_utils import AsyncCallsQueue  # noqa: E402
 from dist_ckpt.strategies.dcp.read import READ_THREADS  # noqa: E402
 from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  # noqa: E402
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
+from placement_floor import PlacementFloor, planned_moves  # noqa: E402
 from readme_tables import README, machine_description, markdown_table, replace_section  # noqa: E402
 
 WORLD = 2
@@ -525,81 +526,15 @@ def _resharded_job(rank: int, world: int, root: str, repeat: int) -> Times:
     return times
 
 
-Span = Tuple[Path, int, int]  # a file and a byte range of it
-
-
-def _bare_read(spans: List[Span], buffer: torch.Tensor, lanes: int = READ_THREADS) -> None:
-    """The floor of a load of dist_ckpt's files: every byte of ``spans`` read with preadv in
-    16 MiB pieces into ``buffer`` (touched, at least as large as the spans together) and hashed
-    with xxh3, the pieces split in ``lanes`` threads (as many as the reader's default), nothing
-    else: no index, no planning, no per-tensor work. What any reader of these bytes that checks
-    them must do, with as many reads in flight."""
-    import xxhash
-
-    piece = 16 << 20
-    ranges, at = [], 0
-    for path, start, end in spans:
-        for first in range(start, end, piece):
-            last = min(first + piece, end)
-            ranges.append((path, first, buffer[at : at + last - first]))
-            at += last - first
-    share = -(-len(ranges) // lanes)
-
-    def read(part: List[tuple]) -> None:
-        fds: Dict[Path, int] = {}
-        try:
-            for path, offset, target in part:
-                fd = fds.get(path)
-                if fd is None:
-                    fd = fds[path] = os.open(path, os.O_RDONLY)
-                view = memoryview(target.numpy())
-                done = 0
-                while done < len(view):
-                    done += os.preadv(fd, [view[done:]], offset + done)
-                xxhash.xxh3_64(view).digest()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    threads = [threading.Thread(target=read, args=(ranges[i * share:(i + 1) * share],)) for i in range(1, lanes)]
-    for t in threads:
-        t.start()
-    read(ranges[:share])
-    for t in threads:
-        t.join()
-
-
-def _own_files(checkpoint: Path, rank: int) -> List[Span]:
-    """The data files this rank wrote, whole: what its same-layout load reads."""
-    return [(f, 0, f.stat().st_size) for f in sorted(checkpoint.glob(f"__{rank}_*.distcp"))]
-
-
-def _even_share(checkpoint: Path, rank: int, world: int) -> List[Span]:
-    """This rank's 1/``world`` of all the checkpoint's data bytes, the files taken in the order
-    of the ranks that wrote them: the bytes per rank of a resharded load of it, at their places
-    on the disk (not the ranges resharding reads: a column split reads whole chunks to use half
-    of each, whose second reading the page cache serves)."""
-    files = sorted(checkpoint.glob("__*_*.distcp"), key=lambda f: tuple(int(n) for n in f.stem.strip("_").split("_")))
-    sizes = [f.stat().st_size for f in files]
-    total = sum(sizes)
-    lo, hi = total * rank // world, total * (rank + 1) // world
-    spans, at = [], 0
-    for f, size in zip(files, sizes):
-        start, end = max(lo, at), min(hi, at + size)
-        if start < end:
-            spans.append((f, start - at, end - at))
-        at += size
-    return spans
-
-
 def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, measure: bool) -> Times:
     """Save the state as a ``world``-rank dist_ckpt checkpoint (``reshard-<world>``); with
     ``measure``, load in turn this checkpoint (same layout) and the other rank count's
     (resharded: 4 -> 2 or 2 -> 4 ranks), cold cache. Both loads read the same bytes per rank
-    (the whole state over ``world`` ranks), so their ratio is what resharding itself costs,
-    where the two checkpoints' files read equally fast: the bare-bones read of each
-    (``_bare_read``: the same-layout load's own files, an even share of the other's) takes its
-    turn too, and its ratio is the files' part of it. ``load_resharded`` (1 rank reads all) also
+    (the whole state over ``world`` ranks), so their ratio is what resharding itself costs.
+    The floor of each (``placement_floor``: the bytes it needs read into the same destination
+    tensors and hashed, a column slice's chunk copied into place, nothing planned) takes its
+    turn too, and checks once that it put the bytes where dist_ckpt's load did: its ratio is
+    what this machine makes resharding cost (the files, the strided copies). ``load_resharded`` (1 rank reads all) also
     has one reader process instead of 2. On 2 ranks raw file I/O of the same state takes its
     turn as well, for the ratios ours / floor / raw, without a save just before any of them."""
     state = model_state(size_mib, rank, world)
@@ -617,13 +552,13 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         request = _sharded(targets, rank, world)  # built before the timing starts
         return lambda: dist_ckpt.load(request, d)
 
-    own_spans, other_spans = _own_files(own, rank), _even_share(other, rank, world)
-    buffer = torch.ones(max(sum(e - s for _, s, e in spans) for spans in (own_spans, other_spans)), dtype=torch.uint8)
+    placed = {k: (torch.ones_like(t), a) for k, (t, a) in targets.items()}  # the floors' destinations
+    floors = {d: PlacementFloor(planned_moves(d, placed, rank, world), READ_THREADS) for d in (own, other)}
     loads: List[Tuple[str, str, Path, Callable[[Path], Callable[[], Any]]]] = [  # each: a timed call for a directory
         ("dist_ckpt", f"load_same_{world}ranks", own, ours),
         ("dist_ckpt", resharded, other, ours),
-        ("floor", f"load_same_{world}ranks", own, lambda d: lambda: _bare_read(own_spans, buffer)),
-        ("floor", resharded, other, lambda d: lambda: _bare_read(other_spans, buffer)),
+        ("floor", f"load_same_{world}ranks", own, lambda d: floors[d].run),
+        ("floor", resharded, other, lambda d: floors[d].run),
     ]
     if world == 2:
         raw_save, raw_load = _tools(state, rank, world)["raw"]
@@ -639,6 +574,11 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
             seconds = _timed(load(ckpt))
             if r > 0:
                 _add(times, tool, phase, seconds)
+        if r == 0:  # both last loaded the other checkpoint: the floor must have moved every byte where dist_ckpt put it
+            wrong = [k for k, (t, _) in targets.items() if not torch.equal(t, placed[k][0])]
+            if wrong:
+                raise AssertionError(f"rank {rank}: the floor of {resharded} left {len(wrong)} tensors unlike dist_ckpt's "
+                                     f"load, e.g. {wrong[0]}")
     return times
 
 
@@ -788,8 +728,9 @@ def _ratios(results: Times) -> str:
         resharded, same = f"load_resharded_{a}to{b}", f"load_same_{b}ranks"
         if resharded in med:
             parts.append(f"load resharded {a} -> {b} ranks / same layout on {b} ranks {med[resharded] / med[same]:.2f}x"
-                         + (f" (the floor's, the same bytes per rank of either checkpoint's files: "
-                            f"{floor[resharded] / floor[same]:.2f}x)" if resharded in floor and same in floor else ""))
+                         + (f" (the floors': {floor[resharded] / floor[same]:.2f}x; dist_ckpt / its floor "
+                            f"{med[same] / floor[same]:.2f}x same layout, {med[resharded] / floor[resharded]:.2f}x "
+                            f"resharded)" if resharded in floor and same in floor else ""))
     if "async_blocked" in med:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
@@ -797,9 +738,9 @@ def _ratios(results: Times) -> str:
     raw_beside, floor_beside = raw.get("load_same_2ranks"), floor.get("load_same_2ranks")
     if raw_beside and floor_beside and "load_same_2ranks" in med:
         ours_beside = med["load_same_2ranks"]
-        parts.append(f"same-layout load on 2 ranks, in turn with raw I/O and the bare-bones read of the same files: "
+        parts.append(f"same-layout load on 2 ranks, in turn with raw I/O and its floor: "
                      f"{statistics.median(raw_beside) / ours_beside:.2f} of raw, {floor_beside / ours_beside:.2f} of the "
-                     f"bare-bones read, which reads at {statistics.median(raw_beside) / floor_beside:.2f} of raw")
+                     f"floor, which reads at {statistics.median(raw_beside) / floor_beside:.2f} of raw")
     if "async_step_slowdown" in floor and "async_step_slowdown" in med:
         ratio = med["async_step_slowdown"] / floor["async_step_slowdown"] if floor["async_step_slowdown"] > 0 else 0
         parts.append(f"async step slowdown {med['async_step_slowdown']:+.1%} against a bare writer's "
@@ -880,9 +821,11 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, load_rounds: int, ma
         same = phase.replace("resharded_4to2", "same_2ranks").replace("resharded_2to4", "same_4ranks")
         if phase.startswith("load_resharded_") and stats("floor", same) and stats("floor", phase):
             ratio = med("floor", phase) / med("floor", same)  # type: ignore[operator]
-            rows.append([f"the floor of the two rows above: the same-layout load's files read whole / an even share "
-                         f"of the other checkpoint's files, hashed in {READ_THREADS} threads, nothing planned",
-                         *ours(f"{stats('floor', same)} / {stats('floor', phase)} ({ratio:.2f}x)")])
+            over = [med("dist_ckpt", p) / med("floor", p) for p in (same, phase)]  # type: ignore[operator]
+            rows.append([f"the floor of the two rows above: the bytes each load needs read into its tensors and hashed "
+                         f"in {READ_THREADS} threads, the chunks of a column slice copied into place, nothing planned",
+                         *ours(f"{stats('floor', same)} / {stats('floor', phase)} ({ratio:.2f}x; dist_ckpt "
+                               f"{over[0]:.2f}x / {over[1]:.2f}x its floor)")])
     if any(med(tool, "save_mem") is not None for tool, _ in _COLUMNS):
         rows.append(["peak extra memory, save / load (MiB)",
                      *[f"{med(t, 'save_mem'):.0f} / {med(t, 'load_mem'):.0f}" if med(t, "save_mem") is not None else ""
