@@ -726,6 +726,91 @@ def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch)
     assert sorted(calls) == list(range(2 * len(full))), calls  # each of the 6 read items once
 
 
+def test_direct_destinations_are_resolved_before_the_reader_threads_start(tmp_path, monkeypatch):
+    """Each item that goes straight into its destination (same layout, and a whole chunk in a
+    column slice when resharding) is resolved once, on the calling thread, with the bytes or
+    numpy view its read needs; the reader threads make no tensor for it (in a reader thread
+    each tensor made or freed hands the GIL to another thread: a futex call each)."""
+    import threading
+
+    from dist_ckpt.strategies.dcp import read
+    from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
+
+    resolved, made_in_lanes = [], []
+    real_resolve, real_bytes, real_copy = ViewLoadPlanner.resolve_tensor, read.tensor_bytes, read.copy_in_this_thread
+
+    def in_lane() -> bool:
+        return threading.current_thread().name.startswith("dist_ckpt-reader-")
+
+    def resolve(self, item):
+        resolved.append((item.dest_index.index, in_lane()))
+        return real_resolve(self, item)
+
+    def spy(real):
+        def call(*args):
+            if in_lane():
+                made_in_lanes.append(real.__name__)
+            return real(*args)
+        return call
+
+    monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor", resolve)
+    monkeypatch.setattr(read, "tensor_bytes", spy(real_bytes))
+    monkeypatch.setattr(read, "copy_in_this_thread", spy(real_copy))
+    gen = torch.Generator().manual_seed(8)
+    full = {f"w{i}": torch.randn(512, 256, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(8)}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "same",
+                   validate_access_integrity=False)
+    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 128:(h + 1) * 128].clone(), (1, h, 2))
+              for k, t in full.items() for h in range(2)}
+    dist_ckpt.save(halves, tmp_path / "cols", validate_access_integrity=False)
+    for name, items in (("same", len(full)), ("cols", 2 * len(full))):
+        resolved.clear()
+        request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+        loaded = dist_ckpt.load(request, tmp_path / name, sharded_strategy=TorchDistLoadShardedStrategy(thread_count=4))
+        assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items()), name
+        assert sorted(i for i, _ in resolved) == list(range(items)), (name, resolved)  # each item once
+        assert not any(lane for _, lane in resolved), (name, resolved)  # on the calling thread
+    assert made_in_lanes == []
+
+
+def test_a_failed_resolution_before_the_reader_threads_start_stops_them(tmp_path, monkeypatch):
+    """If the planner raises while the destinations are resolved (some reader threads already
+    running), that error reaches the caller, and no reader thread is left running."""
+    import threading
+
+    import time
+
+    from dist_ckpt.core import CheckpointingException
+    from dist_ckpt.strategies.dcp import read
+    from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
+
+    real_resolve, calls = ViewLoadPlanner.resolve_tensor, []
+
+    def resolve(self, item):
+        calls.append(item)
+        if len(calls) == 6:
+            raise RuntimeError("the planner failed on purpose")
+        return real_resolve(self, item)
+
+    full = {f"w{i}": torch.full((256, 256), float(i)) for i in range(8)}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c",
+                   validate_access_integrity=False)
+    monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor", resolve)
+    real_read = read._GroupReader.read
+
+    def slow_read(self, lane, group):  # the lanes started are still reading when the planner fails
+        time.sleep(0.3)
+        return real_read(self, lane, group)
+
+    monkeypatch.setattr(read._GroupReader, "read", slow_read)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    with pytest.raises(CheckpointingException, match="RuntimeError: the planner failed on purpose"):
+        dist_ckpt.load(request, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy(thread_count=4))
+    assert len(calls) == 6  # it stopped at the failure
+    assert not [t for t in threading.enumerate() if t.name.startswith("dist_ckpt-reader-")]
+
+
 def test_column_slices_of_large_chunks_read_into_rows(tmp_path, monkeypatch):
     """A stored chunk larger than SMALL_BLOB that lands in a column slice of the destination
     (resharding a column-split TP tensor): rows of at least ROWS_MIN_BYTES are read straight

@@ -22,6 +22,10 @@ checked after. On a cold page cache, with 8 threads, the two end reads before ea
 cost a 2-rank load of 1 GiB 0.68-0.80 s against 0.56-0.59 s in one pass (in turn, medians of
 16 rounds, three runs); with 2 threads they had cost nothing measurable.
 
+The destinations of our planner's direct items are resolved on the calling thread, each
+lane's just before the lane starts (``_GroupReader.prepare``), with their bytes or a numpy view
+for the copy: in a reader thread every tensor made or freed hands the GIL to another thread.
+
 Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
 manifest entry looked up once per item; the manifest itself is read once per load.
 Neighbouring short items (up to ``ONE_PASS_MIN``) are read together (one call for up to
@@ -41,8 +45,9 @@ import contextvars
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
 
+import numpy
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -51,7 +56,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...core import CorruptCheckpointError
 from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, check_digest, expected_entry,
                                    hash_bytes)
-from .chunk_copy import copy_in_this_thread, copy_region, needed_span
+from .chunk_copy import copy_in_this_thread, copy_region, needed_span, same_size_ints
 from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _row_views, _ScratchPool
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
@@ -141,12 +146,22 @@ class _LayoutCache:
         return stored
 
 
+class _Prepared(NamedTuple):
+    """A group's destination resolved before the reader threads started (``prepare``), with
+    its bytes when it is contiguous, or else a numpy view of it to copy the chunk into."""
+
+    target: torch.Tensor
+    data: Optional[memoryview]
+    ints: Optional[numpy.ndarray]
+
+
 class _GroupReader:
     def __init__(self, root: Path, planner: LoadPlanner, manifest: Optional[Manifest], fallback: Fallback) -> None:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
         self.layouts = _LayoutCache()
         self._chunks: Dict[str, Dict[Tuple[int, ...], Tuple[Tuple[int, ...], torch.dtype]]] = {}
         self._paths: Dict[str, Path] = {}
+        self._prepared: Dict[int, _Prepared] = {}  # by id() of the group, filled before the threads start
 
     def _path(self, file: str) -> Path:
         """The data file's path (for the errors that name it), built once per file: a load
@@ -165,9 +180,7 @@ class _GroupReader:
             for group in run:
                 self.read(lane, group)
             return
-        if lane.window.numel() < end - first.offset:
-            lane.window = torch.empty(end - first.offset, dtype=torch.uint8)
-        _read_into(fd, tensor_bytes(lane.window[: end - first.offset]), first.offset, self._path(first.file), None)
+        _read_into(fd, lane.window_for(end - first.offset), first.offset, self._path(first.file), None)
         lane.window_file, lane.window_offset = first.file, first.offset
         try:
             for group in run:
@@ -199,15 +212,14 @@ class _GroupReader:
                     plain: bool) -> None:
         path = self._path(group.file)
         hasher = xxhash.xxh3_64() if entry is not None else None
-        if lane.window_file == group.file:  # read already, with its neighbours
+        windowed = lane.window_file == group.file
+        if windowed:  # read already, with its neighbours
             start = group.offset - lane.window_offset
-            buffer = lane.window[start : start + group.length]
-            view = tensor_bytes(buffer)
+            view = lane.window_bytes[start : start + group.length]
             if hasher is not None:
                 hasher.update(view)
         else:
-            buffer = lane.buffer(group.length)
-            view = tensor_bytes(buffer)
+            view = lane.buffer_bytes(group.length)
             _read_into(fd, view, group.offset, path, hasher)
         self._check(group, entry, hasher, what)
         stored = self.layouts.locate(view, view, group.length) if plain else None
@@ -215,10 +227,12 @@ class _GroupReader:
             self.fallback(group, bytes(view))
             return
         target = self._direct_target(group, stored)
-        if target is not None and target.is_contiguous():
-            tensor_bytes(target)[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
-            self.planner.commit_tensor(group.items[0], target)
+        data = self._bytes_of(group, target)
+        if data is not None:
+            data[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
+            self.planner.commit_tensor(group.items[0], cast(torch.Tensor, target))
             return
+        buffer = lane.window[start : start + group.length] if windowed else lane.buffer(group.length)
         self._scatter(lane, buffer, stored, group, path, target)
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
@@ -243,12 +257,12 @@ class _GroupReader:
             if span is not None:
                 self._read_partial(lane, fd, group, stored, entry, head, tail, span, what)
                 return
-        buffer = lane.buffer(stored.nbytes) if target is None else None
-        _read_views(fd, self._data_views(target, rows, buffer), group.offset + stored.data_offset, path, hasher)
+        views = self._data_views(lane, group, stored, target, rows)
+        _read_views(fd, views, group.offset + stored.data_offset, path, hasher)
         if hasher is not None:
             hasher.update(tail[stored.data_offset + stored.nbytes - tail_start :])
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, buffer, path, strided)
+        self._place(lane, group, stored, target, views, path, strided)
 
     def _predicted_layout(self, group: ItemGroup) -> Optional[StoredTensor]:
         """A layout already met in this load for blobs of this length, dtype and chunk shape
@@ -296,14 +310,13 @@ class _GroupReader:
         path = self._path(group.file)
         head = bytearray(stored.data_offset)
         tail = bytearray(group.length - stored.data_offset - stored.nbytes)
-        buffer = lane.buffer(stored.nbytes) if target is None else None
+        views = self._data_views(lane, group, stored, target, rows)
         hasher = xxhash.xxh3_64() if entry is not None else None
-        _read_views(fd, [memoryview(head), *self._data_views(target, rows, buffer), memoryview(tail)], group.offset,
-                    path, hasher)
+        _read_views(fd, [memoryview(head), *views, memoryview(tail)], group.offset, path, hasher)
         if self.layouts.locate(memoryview(head), memoryview(tail), group.length) != stored:
             return False
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, buffer, path, strided)
+        self._place(lane, group, stored, target, views, path, strided)
         return True
 
     def _destination(self, group: ItemGroup, stored: StoredTensor
@@ -318,23 +331,32 @@ class _GroupReader:
         rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
         return (None, None, target) if rows is None else (target, rows, None)  # short or uneven rows: scratch
 
-    @staticmethod
-    def _data_views(target: Optional[torch.Tensor], rows: Optional[List[memoryview]],
-                    buffer: Optional[torch.Tensor]) -> List[memoryview]:
+    def _data_views(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
+                    rows: Optional[List[memoryview]]) -> List[memoryview]:
+        """The buffers the stored data is read into: the destination's rows, the destination's
+        bytes, or (no destination) the lane's scratch memory."""
         if rows is not None:
             return rows
-        return [tensor_bytes(cast(torch.Tensor, target if buffer is None else buffer))]
+        if target is None:
+            return [lane.buffer_bytes(stored.nbytes)]
+        return [cast(memoryview, self._bytes_of(group, target))]
 
     def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
-               buffer: Optional[torch.Tensor], path: Path, strided: Optional[torch.Tensor] = None) -> None:
+               views: List[memoryview], path: Path, strided: Optional[torch.Tensor] = None) -> None:
         """Finish an item whose data was read (and checked): commit the destination it was read
-        into, or copy its regions out of the scratch buffer (into ``strided``, the whole chunk's
-        destination, when there is one)."""
-        if target is None:
-            self._scatter(lane, cast(torch.Tensor, buffer), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
-                          group, path, strided)
-        else:
+        into, or copy its regions out of the scratch buffer (``views``: into ``strided``, the whole
+        chunk's destination, when there is one, with numpy's copy when it was prepared)."""
+        if target is not None:
             self.planner.commit_tensor(group.items[0], target)
+            return
+        prepared = self._prepared.get(id(group))
+        if strided is not None and prepared is not None and prepared.target is strided and prepared.ints is not None:
+            ints = prepared.ints
+            numpy.copyto(ints, numpy.frombuffer(views[0], dtype=ints.dtype).reshape(ints.shape))
+            self.planner.commit_tensor(group.items[0], strided)
+            return
+        self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
+                      group, path, strided)
 
     @staticmethod
     def _partial_span(group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
@@ -460,10 +482,53 @@ class _GroupReader:
         item = group.items[0]
         if any(item.storage_offsets) or tuple(item.lengths) != stored.shape:
             return None
-        target = self.planner.resolve_tensor(item).detach()
+        prepared = self._prepared.get(id(group))
+        target = self.planner.resolve_tensor(item).detach() if prepared is None else prepared.target
         if target.dtype != stored.dtype or tuple(target.shape) != stored.shape:
             return None
         return target
+
+    def _bytes_of(self, group: ItemGroup, target: Optional[torch.Tensor]) -> Optional[memoryview]:
+        """The bytes of ``target`` (the group's destination) when it is contiguous, else None;
+        made when the group was prepared, if it was."""
+        if target is None:
+            return None
+        prepared = self._prepared.get(id(group))
+        if prepared is not None and prepared.target is target:
+            return prepared.data
+        return tensor_bytes(target) if target.is_contiguous() else None
+
+    def prepare(self, groups: List[ItemGroup]) -> None:
+        """Resolve, on the calling thread before the reader threads start, the destination of
+        each group whose one item goes straight into the request's memory (our planner's direct
+        items) and take its bytes (contiguous) or a numpy view of it (strided, for the copy).
+
+        Why: in a reader thread each tensor made or freed (a view, a slice, ``numpy()``, even
+        ``is_conj()``) hands the GIL to another thread that waits for it: a futex call, often a
+        context switch. A cold 4 -> 2 load of 675 items made 92,664 futex calls in its reader
+        threads where a bare reader of the same bytes made 7,656, and took 80-120 ms more
+        system time; numpy and slices of bytes do not let go of the GIL. Other planners' items
+        are resolved in the threads as before: their ``resolve_tensor`` may allocate."""
+        is_direct = getattr(self.planner, "is_direct", None)
+        if is_direct is None:
+            return
+        for group in groups:
+            if group.transformed or len(group.items) != 1:
+                continue
+            item = group.items[0]
+            if item.type != LoadItemType.TENSOR or any(item.storage_offsets) or not is_direct(item):
+                continue
+            chunk = self._stored_chunk(item)
+            if chunk is None or tuple(item.lengths) != chunk[0]:
+                continue
+            target = self.planner.resolve_tensor(item).detach()
+            data = ints = None
+            if target.device.type == "cpu" and target.dtype == chunk[1] and not (target.is_conj() or target.is_neg()):
+                if target.is_contiguous():
+                    data = tensor_bytes(target)
+                else:
+                    ints = same_size_ints(target)
+            self._prepared[id(group)] = _Prepared(target, data, ints)
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path,
                  whole: Optional[torch.Tensor] = None) -> None:
@@ -524,8 +589,18 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
     # settings are context variables)
     threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, lane_groups),
                                 name=f"dist_ckpt-reader-{i}") for i, lane_groups in enumerate(lanes[1:], 1)]
-    for t in threads:
-        t.start()
+    try:
+        for t, lane_groups in zip(threads, lanes[1:]):  # each lane's destinations resolved just before it starts
+            reader.prepare(lane_groups)
+            t.start()
+        if threads:
+            reader.prepare(lanes[0])
+    except BaseException:
+        failed.set()  # the lanes started stop at their next run
+        for t in threads:
+            if t.is_alive():
+                t.join()
+        raise
     run(lanes[0])
     for t in threads:
         t.join()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.planner import ReadItem
@@ -64,7 +64,12 @@ class _Lane:
         self.files: Dict[str, Tuple[int, int]] = {}
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.borrowed: Optional[torch.Tensor] = None
+        # the same memory as bytes, made once per buffer: in a reader thread every tensor made or
+        # freed hands the GIL to another thread (see read.py: _Prepared); slicing bytes does not
+        self._scratch_bytes = memoryview(b"")
+        self._borrowed_bytes: Optional[memoryview] = None
         self.window = torch.empty(0, dtype=torch.uint8)  # a coalesced read of neighbouring items
+        self.window_bytes = memoryview(b"")
         self.window_file: Optional[str] = None
         self.window_offset = 0
 
@@ -86,18 +91,40 @@ class _Lane:
         if nbytes <= SMALL_BLOB:
             if self.scratch.numel() < nbytes:
                 self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+                self._scratch_bytes = tensor_bytes(self.scratch)
             return self.scratch[:nbytes]
         if self.borrowed is None:
             self.borrowed = self.pool.take()
+            self._borrowed_bytes = None
         if self.borrowed.numel() < nbytes:
             self.borrowed = torch.empty(nbytes, dtype=torch.uint8)
+            self._borrowed_bytes = None
         return self.borrowed[:nbytes]
+
+    def buffer_bytes(self, nbytes: int) -> memoryview:
+        """The memory of ``buffer(nbytes)`` as bytes, without making a tensor for it."""
+        if nbytes <= SMALL_BLOB and self.scratch.numel() >= nbytes:
+            return self._scratch_bytes[:nbytes]
+        self.buffer(nbytes)
+        if nbytes <= SMALL_BLOB:
+            return self._scratch_bytes[:nbytes]
+        if self._borrowed_bytes is None:
+            self._borrowed_bytes = tensor_bytes(cast(torch.Tensor, self.borrowed))
+        return self._borrowed_bytes[:nbytes]
+
+    def window_for(self, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the window (grown if needed), as bytes."""
+        if self.window.numel() < nbytes:
+            self.window = torch.empty(nbytes, dtype=torch.uint8)
+            self.window_bytes = tensor_bytes(self.window)
+        return self.window_bytes[:nbytes]
 
     def release(self) -> None:
         """The group is done: a large buffer goes back to the pool."""
         if self.borrowed is not None:
             self.pool.give(self.borrowed)
             self.borrowed = None
+            self._borrowed_bytes = None
 
     def close(self) -> None:
         for fd, _ in self.files.values():

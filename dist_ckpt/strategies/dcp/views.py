@@ -71,6 +71,12 @@ class ViewLoadPlanner(LoadPlanner):
             return self._box_view(task.request)[task.direct.slices_in(box)]
         return torch.empty(task.chunk.stored_sizes, dtype=sh.dtype)
 
+    def is_direct(self, read_item: ReadItem) -> bool:
+        """Whether ``resolve_tensor`` gives a view of the destination's memory for this item
+        (the bytes are read into place), rather than a new tensor for ``commit_tensor`` to
+        scatter: the reader resolves these before its threads start."""
+        return self._tasks[_task_index(read_item)].direct is not None
+
     def stored_chunk(self, read_item: ReadItem) -> Tuple[Tuple[int, ...], torch.dtype]:
         """The shape and dtype of the stored chunk ``read_item`` reads from (the planning
         checked that it has the request's dtype): the reader predicts a blob's layout from it."""
