@@ -65,7 +65,7 @@ class _Lane:
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.borrowed: Optional[torch.Tensor] = None
         # the same memory as bytes, made once per buffer: in a reader thread every tensor made or
-        # freed hands the GIL to another thread (see read.py: _Prepared); slicing bytes does not
+        # freed hands the GIL to another thread (read.py: _GroupReader.prepare); slicing bytes does not
         self._scratch_bytes = memoryview(b"")
         self._borrowed_bytes: Optional[memoryview] = None
         self.window = torch.empty(0, dtype=torch.uint8)  # a coalesced read of neighbouring items
