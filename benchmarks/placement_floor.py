@@ -29,27 +29,27 @@ import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, cast
 
 import numpy
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from dist_ckpt.strategies.dcp.chunk_copy import same_size_ints
 from dist_ckpt.strategies.dcp.record import locate_tensor_data
 
 __all__ = ["Move", "PlacementFloor", "planned_moves"]
 
 PIECE = 16 << 20  # bytes per read call, as dist_ckpt's reader (READ_PIECE)
 _ENDS = 4096  # a blob's first and last bytes: enough to locate its tensor's data
-_INTS = {1: numpy.uint8, 2: numpy.int16, 4: numpy.int32, 8: numpy.int64}
 
 
 @dataclass
 class Move:
     """``nbytes`` bytes at ``offset`` of ``path`` for one destination: read straight into
     ``target`` (contiguous, exactly ``nbytes``) when ``source_view`` is None; otherwise they are
-    a whole stored chunk of ``shape`` (``itemsize``-byte elements), read into scratch memory,
+    a whole stored chunk of ``shape`` (elements of ``target``'s dtype), read into scratch memory,
     of which ``source_view`` (a tuple of slices) is copied into ``target`` (strided)."""
 
     path: Path
@@ -57,13 +57,7 @@ class Move:
     nbytes: int
     target: numpy.ndarray
     shape: Tuple[int, ...] = ()
-    itemsize: int = 1
     source_view: Optional[Tuple[slice, ...]] = None
-
-
-def _as_ints(tensor: torch.Tensor) -> numpy.ndarray:
-    """The tensor's memory as a numpy array of same-size integers (numpy has no bfloat16)."""
-    return tensor.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).numpy()
 
 
 def _data_offset(path: Path, offset: int, length: int) -> int:
@@ -100,7 +94,7 @@ def planned_moves(checkpoint: Path, targets: Dict[str, Tuple[torch.Tensor, Optio
             path = checkpoint / info.relative_path
             data = _data_offset(path, info.offset, info.length)
             itemsize = tensor.element_size()
-            target = _as_ints(tensor)[tuple(slice(s - a, e - a) for s, e, a in zip(start, end, lo))]
+            target = cast(numpy.ndarray, same_size_ints(tensor))[tuple(slice(s - a, e - a) for s, e, a in zip(start, end, lo))]
             inner = [slice(s - c, e - c) for s, e, c in zip(start, end, chunk.offsets)]
             row = itemsize * int(numpy.prod(chunk.sizes[1:], dtype=numpy.int64))
             whole_rows = all(sl.start == 0 and sl.stop == n for sl, n in zip(inner[1:], chunk.sizes[1:]))
@@ -108,7 +102,7 @@ def planned_moves(checkpoint: Path, targets: Dict[str, Tuple[torch.Tensor, Optio
                 moves.append(Move(path, data + inner[0].start * row, (inner[0].stop - inner[0].start) * row, target))
             else:
                 nbytes = row * chunk.sizes[0]
-                moves.append(Move(path, data, nbytes, target, tuple(chunk.sizes), itemsize, tuple(inner)))
+                moves.append(Move(path, data, nbytes, target, tuple(chunk.sizes), tuple(inner)))
     moves.sort(key=lambda m: (str(m.path), m.offset))
     return moves
 
@@ -148,7 +142,7 @@ class PlacementFloor:
                     _read(fd, move.target.data.cast("B"), move.offset)
                     continue
                 _read(fd, scratch.data[: move.nbytes], move.offset)
-                chunk = scratch[: move.nbytes].view(_INTS[move.itemsize]).reshape(move.shape)
+                chunk = scratch[: move.nbytes].view(move.target.dtype).reshape(move.shape)
                 numpy.copyto(move.target, chunk[move.source_view])
         finally:
             for fd in fds.values():
