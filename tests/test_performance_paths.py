@@ -703,16 +703,22 @@ def test_mid_size_blobs_are_read_straight_into_place(tmp_path, monkeypatch):
     assert not any(request[k].data.data_ptr() in addresses for k in short)
 
 
-def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "resolved_in_the_lanes"])
+def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch, prepared):
     """A stored chunk that fills a strided column slice of its destination (resharding a column
-    split) is copied from the read buffer into the destination resolved when the read was
-    planned: the planner resolves each read item once, not again for the copy."""
+    split) is copied from the read buffer into the destination taken when the read was
+    planned: the planner is asked for each read item's destination once, not again for the
+    copy; whether it was taken before the reader threads started (``direct_array``, our
+    planner) or resolved in them (``resolve_tensor``: a planner without ``direct_array``)."""
     from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
 
     calls = []
-    real_resolve = ViewLoadPlanner.resolve_tensor
+    real_resolve, real_array = ViewLoadPlanner.resolve_tensor, ViewLoadPlanner.direct_array
     monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor",
                         lambda self, item: (calls.append(item.dest_index.index), real_resolve(self, item))[1])
+    monkeypatch.setattr(ViewLoadPlanner, "direct_array",
+                        (lambda self, item: (calls.append(item.dest_index.index), real_array(self, item))[1])
+                        if prepared else None)
     gen = torch.Generator().manual_seed(6)
     full = {"small": torch.randn(64, 32, generator=gen), "mid": torch.randn(512, 256, generator=gen),
             "large": torch.randn(1024, 512, generator=gen).to(torch.bfloat16)}
@@ -726,24 +732,30 @@ def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch)
     assert sorted(calls) == list(range(2 * len(full))), calls  # each of the 6 read items once
 
 
-def test_direct_destinations_are_resolved_before_the_reader_threads_start(tmp_path, monkeypatch):
+def test_direct_destinations_are_taken_before_the_reader_threads_start(tmp_path, monkeypatch):
     """Each item that goes straight into its destination (same layout, and a whole chunk in a
-    column slice when resharding) is resolved once, on the calling thread, with the bytes or
-    numpy view its read needs; the reader threads make no tensor for it (in a reader thread
-    each tensor made or freed hands the GIL to another thread: a futex call each)."""
+    column slice when resharding) has its destination taken once, on the calling thread, as a
+    numpy array over its memory (``direct_array``), and is never resolved as a tensor; the
+    reader threads make no tensor for it (in a reader thread each tensor made or freed hands
+    the GIL to another thread: a futex call each)."""
     import threading
 
     from dist_ckpt.strategies.dcp import read
     from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
 
-    resolved, made_in_lanes = [], []
-    real_resolve, real_bytes, real_copy = ViewLoadPlanner.resolve_tensor, read.tensor_bytes, read.copy_in_this_thread
+    taken, resolved, made_in_lanes = [], [], []
+    real_array, real_resolve = ViewLoadPlanner.direct_array, ViewLoadPlanner.resolve_tensor
+    real_bytes, real_copy = read.tensor_bytes, read.copy_in_this_thread
 
     def in_lane() -> bool:
         return threading.current_thread().name.startswith("dist_ckpt-reader-")
 
+    def direct_array(self, item):
+        taken.append((item.dest_index.index, in_lane()))
+        return real_array(self, item)
+
     def resolve(self, item):
-        resolved.append((item.dest_index.index, in_lane()))
+        resolved.append(item.dest_index.index)
         return real_resolve(self, item)
 
     def spy(real):
@@ -753,6 +765,7 @@ def test_direct_destinations_are_resolved_before_the_reader_threads_start(tmp_pa
             return real(*args)
         return call
 
+    monkeypatch.setattr(ViewLoadPlanner, "direct_array", direct_array)
     monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor", resolve)
     monkeypatch.setattr(read, "tensor_bytes", spy(real_bytes))
     monkeypatch.setattr(read, "copy_in_this_thread", spy(real_copy))
@@ -765,18 +778,19 @@ def test_direct_destinations_are_resolved_before_the_reader_threads_start(tmp_pa
               for k, t in full.items() for h in range(2)}
     dist_ckpt.save(halves, tmp_path / "cols", validate_access_integrity=False)
     for name, items in (("same", len(full)), ("cols", 2 * len(full))):
-        resolved.clear()
+        taken.clear()
         request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
         loaded = dist_ckpt.load(request, tmp_path / name, sharded_strategy=TorchDistLoadShardedStrategy(thread_count=4))
         assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items()), name
-        assert sorted(i for i, _ in resolved) == list(range(items)), (name, resolved)  # each item once
-        assert not any(lane for _, lane in resolved), (name, resolved)  # on the calling thread
-    assert made_in_lanes == []
+        assert sorted(i for i, _ in taken) == list(range(items)), (name, taken)  # each item once
+        assert not any(lane for _, lane in taken), (name, taken)  # on the calling thread
+    assert resolved == [] and made_in_lanes == [], (resolved, made_in_lanes)
 
 
-def test_a_failed_resolution_before_the_reader_threads_start_stops_them(tmp_path, monkeypatch):
-    """If the planner raises while the destinations are resolved (some reader threads already
-    running), that error reaches the caller, and no reader thread is left running."""
+def test_a_planner_failing_before_the_reader_threads_start_leaves_none_running(tmp_path, monkeypatch):
+    """If the planner raises while the destinations are taken, that error reaches the caller
+    and no reader thread is left running (each read is held 0.3 s: a reader thread started
+    before the destinations were all taken would still be running at the check)."""
     import threading
 
     import time
@@ -785,21 +799,21 @@ def test_a_failed_resolution_before_the_reader_threads_start_stops_them(tmp_path
     from dist_ckpt.strategies.dcp import read
     from dist_ckpt.strategies.dcp.views import ViewLoadPlanner
 
-    real_resolve, calls = ViewLoadPlanner.resolve_tensor, []
+    real_array, calls = ViewLoadPlanner.direct_array, []
 
-    def resolve(self, item):
+    def direct_array(self, item):
         calls.append(item)
         if len(calls) == 6:
             raise RuntimeError("the planner failed on purpose")
-        return real_resolve(self, item)
+        return real_array(self, item)
 
     full = {f"w{i}": torch.full((256, 256), float(i)) for i in range(8)}
     dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c",
                    validate_access_integrity=False)
-    monkeypatch.setattr(ViewLoadPlanner, "resolve_tensor", resolve)
+    monkeypatch.setattr(ViewLoadPlanner, "direct_array", direct_array)
     real_read = read._GroupReader.read
 
-    def slow_read(self, lane, group):  # the lanes started are still reading when the planner fails
+    def slow_read(self, lane, group):
         time.sleep(0.3)
         return real_read(self, lane, group)
 

@@ -22,9 +22,10 @@ checked after. On a cold page cache, with 8 threads, the two end reads before ea
 cost a 2-rank load of 1 GiB 0.68-0.80 s against 0.56-0.59 s in one pass (in turn, medians of
 16 rounds, three runs); with 2 threads they had cost nothing measurable.
 
-The destinations of our planner's direct items are resolved on the calling thread, each
-lane's just before the lane starts (``_GroupReader.prepare``), with their bytes or a numpy view
-for the copy: in a reader thread every tensor made or freed hands the GIL to another thread.
+The destinations of our planner's direct items are taken on the calling thread as numpy
+arrays over their memory, before the reader threads start (``_GroupReader.prepare``;
+``destinations``): in a reader thread every tensor made or freed hands the GIL to another
+thread.
 
 Bytes are hashed piece by piece as they arrive (while in cache) and checked against the
 manifest entry looked up once per item; the manifest itself is read once per load.
@@ -45,9 +46,8 @@ import contextvars
 import os
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Tuple, cast
 
-import numpy
 import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -56,8 +56,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...core import CorruptCheckpointError
 from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, check_digest, expected_entry,
                                    hash_bytes)
-from .chunk_copy import copy_in_this_thread, copy_region, needed_span, same_size_ints
-from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _row_views, _ScratchPool
+from .chunk_copy import copy_in_this_thread, copy_region, needed_span
+from .destinations import Into, Prepared, fill, resolved_into
+from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _ScratchPool
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
 __all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
@@ -146,22 +147,13 @@ class _LayoutCache:
         return stored
 
 
-class _Prepared(NamedTuple):
-    """A group's destination resolved before the reader threads started (``prepare``), with
-    its bytes when it is contiguous, or else a numpy view of it to copy the chunk into."""
-
-    target: torch.Tensor
-    data: Optional[memoryview]
-    ints: Optional[numpy.ndarray]
-
-
 class _GroupReader:
     def __init__(self, root: Path, planner: LoadPlanner, manifest: Optional[Manifest], fallback: Fallback) -> None:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
         self.layouts = _LayoutCache()
         self._chunks: Dict[str, Dict[Tuple[int, ...], Tuple[Tuple[int, ...], torch.dtype]]] = {}
         self._paths: Dict[str, Path] = {}
-        self._prepared: Dict[int, _Prepared] = {}  # by id() of the group, filled before the threads start
+        self._prepared: Dict[int, Prepared] = {}  # by id() of the group, filled before the threads start
 
     def _path(self, file: str) -> Path:
         """The data file's path (for the errors that name it), built once per file: a load
@@ -226,14 +218,13 @@ class _GroupReader:
         if stored is None:
             self.fallback(group, bytes(view))
             return
-        target = self._direct_target(group, stored)
-        data = self._bytes_of(group, target)
-        if data is not None:
-            data[:] = view[stored.data_offset : stored.data_offset + stored.nbytes]
-            self.planner.commit_tensor(group.items[0], cast(torch.Tensor, target))
+        into = self._destination(group, stored)
+        if into.strided is None and into.whole:
+            fill(into, view[stored.data_offset : stored.data_offset + stored.nbytes])
+            self._commit(group, into)
             return
         buffer = lane.window[start : start + group.length] if windowed else lane.buffer(group.length)
-        self._scatter(lane, buffer, stored, group, path, target)
+        self._scatter(lane, buffer, stored, group, path, into.strided)
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
         predicted = self._predicted_layout(group)
@@ -251,18 +242,18 @@ class _GroupReader:
         hasher = xxhash.xxh3_64() if entry is not None else None
         if hasher is not None:
             hasher.update(head[: stored.data_offset])
-        target, rows, strided = self._destination(group, stored)
-        if target is None and strided is None:
+        into = self._destination(group, stored)
+        if not into.whole:
             span = self._partial_span(group, stored, entry)
             if span is not None:
                 self._read_partial(lane, fd, group, stored, entry, head, tail, span, what)
                 return
-        views = self._data_views(lane, group, stored, target, rows)
+        views = self._data_views(lane, stored, into)
         _read_views(fd, views, group.offset + stored.data_offset, path, hasher)
         if hasher is not None:
             hasher.update(tail[stored.data_offset + stored.nbytes - tail_start :])
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, views, path, strided)
+        self._place(lane, group, stored, into, views, path)
 
     def _predicted_layout(self, group: ItemGroup) -> Optional[StoredTensor]:
         """A layout already met in this load for blobs of this length, dtype and chunk shape
@@ -304,59 +295,55 @@ class _GroupReader:
         with a read of each piece's first and last 4 KiB before it; either one alone cost nothing). False,
         having read for nothing, when the blob turns out to have another layout, or when only a
         part of its data is needed (the caller then reads it the careful way)."""
-        target, rows, strided = self._destination(group, stored)
-        if target is None and strided is None and self._partial_span(group, stored, entry) is not None:
+        into = self._destination(group, stored)
+        if not into.whole and self._partial_span(group, stored, entry) is not None:
             return False
         path = self._path(group.file)
         head = bytearray(stored.data_offset)
         tail = bytearray(group.length - stored.data_offset - stored.nbytes)
-        views = self._data_views(lane, group, stored, target, rows)
+        views = self._data_views(lane, stored, into)
         hasher = xxhash.xxh3_64() if entry is not None else None
         _read_views(fd, [memoryview(head), *views, memoryview(tail)], group.offset, path, hasher)
         if self.layouts.locate(memoryview(head), memoryview(tail), group.length) != stored:
             return False
         self._check(group, entry, hasher, what)
-        self._place(lane, group, stored, target, views, path, strided)
+        self._place(lane, group, stored, into, views, path)
         return True
 
-    def _destination(self, group: ItemGroup, stored: StoredTensor
-                     ) -> Tuple[Optional[torch.Tensor], Optional[List[memoryview]], Optional[torch.Tensor]]:
-        """Where the stored data is read to: the destination itself (contiguous: rows None), its
-        rows (a strided destination of rows at least ROWS_MIN_BYTES long), or neither (None,
-        None: the scratch buffer, then a copy); third, a strided destination of the whole chunk
-        that the scratch buffer is copied into (resolved here once), else None."""
-        target = self._direct_target(group, stored)
-        if target is None or target.is_contiguous():
-            return target, None, None
-        rows = _row_views(target) if target.shape[-1] * target.element_size() >= ROWS_MIN_BYTES else None
-        return (None, None, target) if rows is None else (target, rows, None)  # short or uneven rows: scratch
-
-    def _data_views(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
-                    rows: Optional[List[memoryview]]) -> List[memoryview]:
-        """The buffers the stored data is read into: the destination's rows, the destination's
-        bytes, or (no destination) the lane's scratch memory."""
-        if rows is not None:
-            return rows
-        if target is None:
-            return [lane.buffer_bytes(stored.nbytes)]
-        return [cast(memoryview, self._bytes_of(group, target))]
-
-    def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, target: Optional[torch.Tensor],
-               views: List[memoryview], path: Path, strided: Optional[torch.Tensor] = None) -> None:
-        """Finish an item whose data was read (and checked): commit the destination it was read
-        into, or copy its regions out of the scratch buffer (``views``: into ``strided``, the whole
-        chunk's destination, when there is one, with numpy's copy when it was prepared)."""
-        if target is not None:
-            self.planner.commit_tensor(group.items[0], target)
-            return
+    def _destination(self, group: ItemGroup, stored: StoredTensor) -> Into:
+        """Where the stored data goes when the group's one item takes all of it: its prepared
+        destination, if the blob holds the chunk it was prepared for; else the destination
+        resolved now (``_direct_target``); else ``NOWHERE`` (scratch memory, then each item's
+        region copied out)."""
         prepared = self._prepared.get(id(group))
-        if strided is not None and prepared is not None and prepared.target is strided and prepared.ints is not None:
-            ints = prepared.ints
-            numpy.copyto(ints, numpy.frombuffer(views[0], dtype=ints.dtype).reshape(ints.shape))
-            self.planner.commit_tensor(group.items[0], strided)
+        if prepared is not None and prepared.fits(stored):
+            return prepared.into(ROWS_MIN_BYTES)
+        return resolved_into(self._direct_target(group, stored), ROWS_MIN_BYTES)
+
+    @staticmethod
+    def _data_views(lane: _Lane, stored: StoredTensor, into: Into) -> List[memoryview]:
+        """The buffers the stored data is read into: the destination's bytes or rows, or the
+        lane's scratch memory."""
+        return into.views if into.views is not None else [lane.buffer_bytes(stored.nbytes)]
+
+    def _commit(self, group: ItemGroup, into: Into) -> None:
+        """The planner is told a destination it resolved is filled (a prepared one was not
+        resolved: nothing to tell)."""
+        if into.commit is not None:
+            self.planner.commit_tensor(group.items[0], into.commit)
+
+    def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, into: Into, views: List[memoryview],
+               path: Path) -> None:
+        """Finish an item whose data was read (and checked) into ``views``: commit the destination
+        it was read into, or copy it out of the scratch memory, into its one destination (numpy's
+        copy for a prepared one) or region by region."""
+        if into.views is None and into.array is not None:
+            fill(into, views[0])
+        elif into.views is None:
+            self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
+                          group, path, into.strided)
             return
-        self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
-                      group, path, strided)
+        self._commit(group, into)
 
     @staticmethod
     def _partial_span(group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
@@ -482,55 +469,42 @@ class _GroupReader:
         item = group.items[0]
         if any(item.storage_offsets) or tuple(item.lengths) != stored.shape:
             return None
-        prepared = self._prepared.get(id(group))
-        target = self.planner.resolve_tensor(item).detach() if prepared is None else prepared.target
+        target = self.planner.resolve_tensor(item).detach()
         if target.dtype != stored.dtype or tuple(target.shape) != stored.shape:
             return None
         return target
 
-    def _bytes_of(self, group: ItemGroup, target: Optional[torch.Tensor]) -> Optional[memoryview]:
-        """The bytes of ``target`` (the group's destination) when it is contiguous, else None;
-        made when the group was prepared, if it was."""
-        if target is None:
-            return None
-        prepared = self._prepared.get(id(group))
-        if prepared is not None and prepared.target is target:
-            return prepared.data
-        return tensor_bytes(target) if target.is_contiguous() else None
-
     def prepare(self, groups: List[ItemGroup]) -> None:
-        """Resolve, on the calling thread before the reader threads start, the destination of
-        each group whose one item goes straight into the request's memory (our planner's direct
-        items) and take its bytes (contiguous) or a numpy view of it (strided, for the copy).
+        """Take, on the calling thread before the reader threads start, the destination of each
+        group whose one item goes straight into the request's memory (our planner's direct
+        items: ``ViewLoadPlanner.direct_array``), as a numpy array over that memory.
 
         Why: in a reader thread each tensor made or freed (a view, a slice, ``numpy()``, even
         ``is_conj()``) hands the GIL to another thread that waits for it: a futex call, often a
         context switch. One rank's cold 4 -> 2 load of 675 items made 92,664 futex calls where
-        a bare reader of the same bytes made 7,656; with this, 2,514 (numpy and slices of bytes
-        do not let go of the GIL). One rank alone, cold, against that bare reader: the same
-        layout 1.03-1.05x its time instead of 1.06-1.15x; on 2 ranks the difference was below
-        the noise. Other planners' items are resolved in the threads as before: their
-        ``resolve_tensor`` may allocate (all of them at once could exhaust memory)."""
-        is_direct = getattr(self.planner, "is_direct", None)
-        if is_direct is None:
+        a bare reader of the same bytes made 7,656; with the destinations taken here, 2,514
+        (numpy and slices of bytes do not let go of the GIL). And numpy slices, not tensors:
+        taken as tensors (each lane's just before it started, beside the lanes running), that
+        load's destinations took 16-24 ms, and the last lane started 25-37 ms after the first;
+        as numpy slices, all before any thread starts, 5-6 ms (``destinations``). Other
+        planners' items are resolved in the threads: their ``resolve_tensor`` may allocate (all
+        of them at once could exhaust memory)."""
+        direct_array = getattr(self.planner, "direct_array", None)
+        stored_chunk = getattr(self.planner, "stored_chunk", None)
+        if direct_array is None or stored_chunk is None:
             return
         for group in groups:
             if group.transformed or len(group.items) != 1:
                 continue
             item = group.items[0]
-            if item.type != LoadItemType.TENSOR or any(item.storage_offsets) or not is_direct(item):
+            if item.type != LoadItemType.TENSOR or any(item.storage_offsets):
                 continue
-            chunk = self._stored_chunk(item)
-            if chunk is None or tuple(item.lengths) != chunk[0]:
+            memory = direct_array(item)
+            if memory is None or not memory.size:
                 continue
-            target = self.planner.resolve_tensor(item).detach()
-            data = ints = None
-            if target.device.type == "cpu" and target.dtype == chunk[1] and not (target.is_conj() or target.is_neg()):
-                if target.is_contiguous():
-                    data = tensor_bytes(target)
-                else:
-                    ints = same_size_ints(target)
-            self._prepared[id(group)] = _Prepared(target, data, ints)
+            shape, dtype = stored_chunk(item)
+            if memory.shape == shape == tuple(item.lengths) and memory.itemsize == dtype.itemsize:
+                self._prepared[id(group)] = Prepared(memory, dtype)
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path,
                  whole: Optional[torch.Tensor] = None) -> None:
@@ -587,22 +561,13 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
         finally:
             lane.close()
 
+    reader.prepare(groups)  # before any thread starts: a planner's error leaves none running
     # each thread runs in a copy of the caller's context (verification and trusted-unpickling
     # settings are context variables)
     threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, lane_groups),
                                 name=f"dist_ckpt-reader-{i}") for i, lane_groups in enumerate(lanes[1:], 1)]
-    try:
-        for t, lane_groups in zip(threads, lanes[1:]):  # each lane's destinations resolved just before it starts
-            reader.prepare(lane_groups)
-            t.start()
-        if threads:
-            reader.prepare(lanes[0])
-    except BaseException:
-        failed.set()  # the lanes started stop at their next run
-        for t in threads:
-            if t.is_alive():
-                t.join()
-        raise
+    for t in threads:
+        t.start()
     run(lanes[0])
     for t in threads:
         t.join()
