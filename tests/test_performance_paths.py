@@ -733,11 +733,11 @@ def test_a_whole_chunk_in_a_column_slice_is_resolved_once(tmp_path, monkeypatch,
 
 
 def test_direct_destinations_are_taken_before_the_reader_threads_start(tmp_path, monkeypatch):
-    """Each item that goes straight into its destination (same layout, and a whole chunk in a
-    column slice when resharding) has its destination taken once, on the calling thread, as a
-    numpy array over its memory (``direct_array``), and is never resolved as a tensor; the
-    reader threads make no tensor for it (in a reader thread each tensor made or freed hands
-    the GIL to another thread: a futex call each)."""
+    """Each item that goes straight into its destination (same layout; a whole chunk in a
+    column slice, or a part of a chunk, when resharding) has its destination taken once, on the
+    calling thread, as a numpy array over its memory (``direct_array``), and is never resolved
+    as a tensor; the reader threads make no tensor for it (in a reader thread each tensor made
+    or freed hands the GIL to another thread: a futex call each)."""
     import threading
 
     from dist_ckpt.strategies.dcp import read
@@ -784,6 +784,33 @@ def test_direct_destinations_are_taken_before_the_reader_threads_start(tmp_path,
         assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items()), name
         assert sorted(i for i, _ in taken) == list(range(items)), (name, taken)  # each item once
         assert not any(lane for _, lane in taken), (name, taken)  # on the calling thread
+    # a part of each stored chunk, as one rank of a load resharded to more ranks takes: row halves
+    # read in place (of a chunk hashed in blocks: only the blocks of its half), column halves
+    # copied from the read buffer, a small one from a coalesced read, and a half of a half of a
+    # chunk hashed in blocks (only the blocks of its rows read, then copied)
+    splits = {k: [(i % 2, 2)] for i, k in enumerate(full)}
+    full["small"], splits["small"] = torch.randn(64, 32, generator=gen), [(0, 2)]
+    full["rows"], splits["rows"] = torch.randn(1024, 1024, generator=gen), [(0, 2)]
+    full["block"], splits["block"] = torch.randn(4, 512, 512, generator=gen), [(0, 2), (2, 2)]
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "whole",
+                   validate_access_integrity=False)
+    for h in range(2):
+        taken.clear()
+        parts = {}
+        for k, t in full.items():
+            index = [slice(None)] * t.dim()
+            for axis, n in splits[k]:
+                size = t.shape[axis] // n
+                index[axis] = slice(h * size, (h + 1) * size) if axis == splits[k][0][0] else slice(0, size)
+            parts[k] = t[tuple(index)]
+        request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(p), *[(axis, h if j == 0 else 0, n)
+                                                                                for j, (axis, n) in enumerate(splits[k])])
+                   for k, p in parts.items()}
+        loaded = dist_ckpt.load(request, tmp_path / "whole", validate_access_integrity=False,
+                                sharded_strategy=TorchDistLoadShardedStrategy(thread_count=4))
+        assert all(tensors_bitwise_equal(loaded[k], p) for k, p in parts.items()), h
+        assert sorted(i for i, _ in taken) == list(range(len(full))), (h, taken)
+        assert not any(lane for _, lane in taken), (h, taken)
     assert resolved == [] and made_in_lanes == [], (resolved, made_in_lanes)
 
 

@@ -14,7 +14,8 @@ reader thread could start.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+import math
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy
 import torch
@@ -50,16 +51,32 @@ NOWHERE = Into(None, None, None, None)
 class Prepared(NamedTuple):
     """A group's destination taken before the reader threads start: the region of the
     destination its one item fills, as a numpy array of integers of the element's size (a view
-    of the destination's memory), and the dtype the stored chunk must have to be put there."""
+    of the destination's memory); the dtype and shape the stored chunk must have; and the
+    item's part of that chunk (all of it, or a part: resharding to more ranks)."""
 
     memory: numpy.ndarray
     dtype: torch.dtype
+    chunk: Tuple[int, ...]
+    region: Tuple[slice, ...]
 
     def fits(self, stored: StoredTensor) -> bool:
-        """Whether the blob, as located, holds a chunk of this destination's dtype and shape."""
-        return stored.dtype == self.dtype and stored.shape == self.memory.shape
+        """Whether the blob, as located, holds a chunk of the dtype and shape planned."""
+        return stored.dtype == self.dtype and stored.shape == self.chunk
+
+    @property
+    def whole(self) -> bool:
+        """Whether the item takes all of its stored chunk."""
+        return self.memory.shape == self.chunk
+
+    def copy_part(self, data: memoryview) -> None:
+        """Copy the item's part of the chunk whose ``data`` (its bytes, in memory, at least the
+        part's) is given into the destination, with numpy."""
+        chunk = numpy.frombuffer(data, dtype=self.memory.dtype, count=math.prod(self.chunk)).reshape(self.chunk)
+        numpy.copyto(self.memory, chunk[self.region])
 
     def into(self, rows_min_bytes: int) -> Into:
+        """Where the whole chunk goes (``whole``): read into the destination's bytes or rows, or
+        copied into it from scratch memory."""
         memory = self.memory
         if memory.flags.c_contiguous:
             data = memoryview(memory).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers

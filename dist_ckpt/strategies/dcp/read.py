@@ -219,9 +219,12 @@ class _GroupReader:
             self.fallback(group, bytes(view))
             return
         into = self._destination(group, stored)
+        data = view[stored.data_offset : stored.data_offset + stored.nbytes]
         if into.strided is None and into.whole:
-            fill(into, view[stored.data_offset : stored.data_offset + stored.nbytes])
+            fill(into, data)
             self._commit(group, into)
+            return
+        if self._copied_part(group, stored, data):
             return
         buffer = lane.window[start : start + group.length] if windowed else lane.buffer(group.length)
         self._scatter(lane, buffer, stored, group, path, into.strided)
@@ -316,7 +319,7 @@ class _GroupReader:
         resolved now (``_direct_target``); else ``NOWHERE`` (scratch memory, then each item's
         region copied out)."""
         prepared = self._prepared.get(id(group))
-        if prepared is not None and prepared.fits(stored):
+        if prepared is not None and prepared.whole and prepared.fits(stored):
             return prepared.into(ROWS_MIN_BYTES)
         return resolved_into(self._direct_target(group, stored), ROWS_MIN_BYTES)
 
@@ -332,6 +335,15 @@ class _GroupReader:
         if into.commit is not None:
             self.planner.commit_tensor(group.items[0], into.commit)
 
+    def _copied_part(self, group: ItemGroup, stored: StoredTensor, data: memoryview) -> bool:
+        """Copy the group's one item's part of the chunk (``data``: its bytes, read) into its
+        prepared destination with numpy, if it has one that fits; whether it did."""
+        prepared = self._prepared.get(id(group))
+        if prepared is None or prepared.whole or not prepared.fits(stored):
+            return False
+        prepared.copy_part(data)
+        return True
+
     def _place(self, lane: _Lane, group: ItemGroup, stored: StoredTensor, into: Into, views: List[memoryview],
                path: Path) -> None:
         """Finish an item whose data was read (and checked) into ``views``: commit the destination
@@ -340,6 +352,8 @@ class _GroupReader:
         if into.views is None and into.array is not None:
             fill(into, views[0])
         elif into.views is None:
+            if self._copied_part(group, stored, views[0]):
+                return
             self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
                           group, path, into.strided)
             return
@@ -375,8 +389,7 @@ class _GroupReader:
         if rows is not None:
             self._read_rows_in_place(fd, group, stored, entry, head, tail, span, rows, what)
             return
-        buffer = lane.buffer(stored.nbytes)
-        view = tensor_bytes(buffer)
+        view = lane.buffer_bytes(stored.nbytes)
         if entry is None:
             _read_into(fd, view[start:end], data_at + start, path, None)
         else:
@@ -388,14 +401,18 @@ class _GroupReader:
                 _read_into(fd, piece, data_at + first, path, hasher)
                 if hasher.hexdigest() != blocks.hashes[1 + first // size]:
                     _block_mismatch(path, what, data_at + first, len(piece))
-        self._scatter(lane, buffer, StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes), group, path)
+        if self._copied_part(group, stored, view):
+            return
+        self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
+                      group, path)
 
     def _row_range_target(self, group: ItemGroup, stored: StoredTensor, span: Tuple[int, int]
-                          ) -> Optional[Tuple[int, int, torch.Tensor]]:
-        """``(first, end, destination)`` when the one read item takes whole rows of the stored
-        chunk (a run of its first axis: bytes ``[first, end)`` of its data, inside ``span``) into
-        a contiguous destination of the stored dtype, as a row split resharded to more ranks
-        (2 -> 4) does; else None."""
+                          ) -> Optional[Tuple[int, int, memoryview, Optional[torch.Tensor]]]:
+        """``(first, end, destination's bytes, destination to commit)`` when the one read item
+        takes whole rows of the stored chunk (a run of its first axis: bytes ``[first, end)`` of
+        its data, inside ``span``) into a contiguous destination of the stored dtype, as a row
+        split resharded to more ranks (2 -> 4) does; else None. A prepared destination is not
+        committed (None)."""
         if len(group.items) != 1 or not stored.shape:
             return None
         item = group.items[0]
@@ -406,24 +423,27 @@ class _GroupReader:
         first, end = offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes
         if not row_bytes or first < span[0] or end > span[1]:
             return None
+        prepared = self._prepared.get(id(group))
+        if prepared is not None and prepared.fits(stored) and prepared.memory.flags.c_contiguous:
+            return first, end, memoryview(prepared.memory).cast("B"), None  # type: ignore[arg-type]  # numpy arrays are buffers
         target = self.planner.resolve_tensor(item).detach()
         if (target.dtype != stored.dtype or tuple(target.shape) != lengths or not target.is_contiguous()
                 or target.device.type != "cpu"):
             return None
-        return first, end, target
+        return first, end, tensor_bytes(target), target
 
     def _read_rows_in_place(self, fd: int, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry],
-                            head: bytes, tail: bytes, span: Tuple[int, int], rows: Tuple[int, int, torch.Tensor],
-                            what: str) -> None:
+                            head: bytes, tail: bytes, span: Tuple[int, int],
+                            rows: Tuple[int, int, memoryview, Optional[torch.Tensor]], what: str) -> None:
         """``_read_partial`` for a run of whole rows: the rows straight into their destination,
         the rest of the span's first and last blocks (when the rows do not start and end on a
         block boundary) into small buffers, in one call; then each block checked, from the
         pieces it lies in. No scratch buffer of the chunk's size, no copy."""
         path = self._path(group.file)
         start, end = span
-        first, last, target = rows
+        first, last, data, target = rows
         before, after = bytearray(first - start), bytearray(end - last)
-        pieces = [(start, memoryview(before)), (first, tensor_bytes(target)), (last, memoryview(after))]
+        pieces = [(start, memoryview(before)), (first, data), (last, memoryview(after))]
         _read_views(fd, [v for _, v in pieces if len(v)], group.offset + stored.data_offset + start, path, None)
         if entry is not None:
             blocks = self._checked_blocks(group, stored, entry, head, tail, path, what)
@@ -437,7 +457,8 @@ class _GroupReader:
                         hasher.update(view[lo - at : hi - at])
                 if hasher.hexdigest() != blocks.hashes[1 + block // size]:
                     _block_mismatch(path, what, group.offset + stored.data_offset + block, stop - block)
-        self.planner.commit_tensor(group.items[0], target)
+        if target is not None:
+            self.planner.commit_tensor(group.items[0], target)
 
     def _checked_blocks(self, group: ItemGroup, stored: StoredTensor, entry: ManifestEntry, head: bytes, tail: bytes,
                         path: Path, what: str) -> BlockHashes:
@@ -477,7 +498,8 @@ class _GroupReader:
     def prepare(self, groups: List[ItemGroup]) -> None:
         """Take, on the calling thread before the reader threads start, the destination of each
         group whose one item goes straight into the request's memory (our planner's direct
-        items: ``ViewLoadPlanner.direct_array``), as a numpy array over that memory.
+        items: ``ViewLoadPlanner.direct_array``), as a numpy array over that memory: for the
+        whole stored chunk, or a part of it (its rows read in place, or copied with numpy).
 
         Why: in a reader thread each tensor made or freed (a view, a slice, ``numpy()``, even
         ``is_conj()``) hands the GIL to another thread that waits for it: a futex call, often a
@@ -497,14 +519,17 @@ class _GroupReader:
             if group.transformed or len(group.items) != 1:
                 continue
             item = group.items[0]
-            if item.type != LoadItemType.TENSOR or any(item.storage_offsets):
+            if item.type != LoadItemType.TENSOR:
                 continue
             memory = direct_array(item)
             if memory is None or not memory.size:
                 continue
             shape, dtype = stored_chunk(item)
-            if memory.shape == shape == tuple(item.lengths) and memory.itemsize == dtype.itemsize:
-                self._prepared[id(group)] = Prepared(memory, dtype)
+            offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+            if (memory.shape == lengths and memory.itemsize == dtype.itemsize and len(offsets) == len(shape)
+                    and all(0 <= o and o + n <= s for o, n, s in zip(offsets, lengths, shape))):
+                region = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
+                self._prepared[id(group)] = Prepared(memory, dtype, shape, region)
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path,
                  whole: Optional[torch.Tensor] = None) -> None:
