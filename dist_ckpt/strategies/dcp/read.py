@@ -318,8 +318,8 @@ class _GroupReader:
         destination, if the blob holds the chunk it was prepared for; else the destination
         resolved now (``_direct_target``); else ``NOWHERE`` (scratch memory, then each item's
         region copied out)."""
-        prepared = self._prepared.get(id(group))
-        if prepared is not None and prepared.whole and prepared.fits(stored):
+        prepared = self._prepared_for(group, stored)
+        if prepared is not None and prepared.whole:
             return prepared.into(ROWS_MIN_BYTES)
         return resolved_into(self._direct_target(group, stored), ROWS_MIN_BYTES)
 
@@ -335,11 +335,17 @@ class _GroupReader:
         if into.commit is not None:
             self.planner.commit_tensor(group.items[0], into.commit)
 
+    def _prepared_for(self, group: ItemGroup, stored: StoredTensor) -> Optional[Prepared]:
+        """The group's prepared destination, if it has one and the blob, as located, holds the
+        chunk it was prepared for; else None (the item is resolved the planner's way)."""
+        prepared = self._prepared.get(id(group))
+        return prepared if prepared is not None and prepared.fits(stored) else None
+
     def _copied_part(self, group: ItemGroup, stored: StoredTensor, data: memoryview) -> bool:
         """Copy the group's one item's part of the chunk (``data``: its bytes, read) into its
         prepared destination with numpy, if it has one that fits; whether it did."""
-        prepared = self._prepared.get(id(group))
-        if prepared is None or prepared.whole or not prepared.fits(stored):
+        prepared = self._prepared_for(group, stored)
+        if prepared is None or prepared.whole:
             return False
         prepared.copy_part(data)
         return True
@@ -423,8 +429,8 @@ class _GroupReader:
         first, end = offsets[0] * row_bytes, (offsets[0] + lengths[0]) * row_bytes
         if not row_bytes or first < span[0] or end > span[1]:
             return None
-        prepared = self._prepared.get(id(group))
-        if prepared is not None and prepared.fits(stored) and prepared.memory.flags.c_contiguous:
+        prepared = self._prepared_for(group, stored)
+        if prepared is not None and prepared.memory.flags.c_contiguous:
             return first, end, memoryview(prepared.memory).cast("B"), None  # type: ignore[arg-type]  # numpy arrays are buffers
         target = self.planner.resolve_tensor(item).detach()
         if (target.dtype != stored.dtype or tuple(target.shape) != lengths or not target.is_contiguous()
@@ -512,8 +518,7 @@ class _GroupReader:
         planners' items are resolved in the threads: their ``resolve_tensor`` may allocate (all
         of them at once could exhaust memory)."""
         direct_array = getattr(self.planner, "direct_array", None)
-        stored_chunk = getattr(self.planner, "stored_chunk", None)
-        if direct_array is None or stored_chunk is None:
+        if direct_array is None:
             return
         for group in groups:
             if group.transformed or len(group.items) != 1:
@@ -522,9 +527,10 @@ class _GroupReader:
             if item.type != LoadItemType.TENSOR:
                 continue
             memory = direct_array(item)
-            if memory is None or not memory.size:
+            chunk = self._stored_chunk(item) if memory is not None and memory.size else None
+            if chunk is None:
                 continue
-            shape, dtype = stored_chunk(item)
+            shape, dtype = chunk
             offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
             if (memory.shape == lengths and memory.itemsize == dtype.itemsize and len(offsets) == len(shape)
                     and all(0 <= o and o + n <= s for o, n, s in zip(offsets, lengths, shape))):
