@@ -37,6 +37,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dist_ckpt.strategies.dcp.chunk_copy import same_size_ints
+from dist_ckpt.strategies.dcp.read_schedule import StealingLanes
 from dist_ckpt.strategies.dcp.record import locate_tensor_data
 
 __all__ = ["Move", "PlacementFloor", "planned_moves"]
@@ -118,23 +119,26 @@ class PlacementFloor:
         for move in moves:
             self.lanes[min(lanes - 1, at * lanes // max(total, 1))].append(move)
             at += move.nbytes
-        self.scratch = [numpy.ones(max([m.nbytes for m in lane if m.source_view is not None] or [0]), numpy.uint8)
-                        for lane in self.lanes]
+        largest = max([m.nbytes for m in moves if m.source_view is not None] or [0])
+        self.scratch = [numpy.ones(largest, numpy.uint8) for _ in self.lanes]
 
     def run(self) -> None:
-        """Every move, the lanes in threads (the first on the calling thread)."""
-        threads = [threading.Thread(target=self._lane, args=(i,)) for i in range(1, len(self.lanes))]
+        """Every move, the lanes in threads (the first on the calling thread), a thread done
+        with its own lane taking moves not yet begun from the others, as dist_ckpt's reader
+        does (``read_schedule.StealingLanes``): equal bytes are not equal time on a cold cache."""
+        work = StealingLanes(self.lanes, _move_bytes)
+        threads = [threading.Thread(target=self._lane, args=(i, work)) for i in range(1, len(self.lanes))]
         for t in threads:
             t.start()
-        self._lane(0)
+        self._lane(0, work)
         for t in threads:
             t.join()
 
-    def _lane(self, i: int) -> None:
+    def _lane(self, i: int, work: "StealingLanes[Move]") -> None:
         fds: Dict[Path, int] = {}
         scratch = self.scratch[i]
         try:
-            for move in self.lanes[i]:
+            for move in iter(lambda: work.next_unit(i), None):
                 fd = fds.get(move.path)
                 if fd is None:
                     fd = fds[move.path] = os.open(move.path, os.O_RDONLY)
@@ -147,6 +151,10 @@ class PlacementFloor:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+
+def _move_bytes(move: Move) -> int:
+    return move.nbytes
 
 
 def _read(fd: int, view: memoryview, offset: int) -> None:

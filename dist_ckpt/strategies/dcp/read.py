@@ -32,7 +32,8 @@ manifest entry looked up once per item; the manifest itself is read once per loa
 Neighbouring short items (up to ``ONE_PASS_MIN``) are read together (one call for up to
 ``COALESCE`` bytes) and copied from that buffer. Items are
 split over ``thread_count`` reader threads in runs of neighbouring items (each thread reads
-mostly sequentially), balanced by bytes; ``READ_THREADS`` (8) by default, fewer for a load of
+mostly sequentially), balanced by bytes, a thread done with its own taking runs not yet begun
+from the others (``read_schedule``); ``READ_THREADS`` (8) by default, fewer for a load of
 few bytes (``BYTES_PER_THREAD``). On a cold page cache more reads in flight kept a 2-rank load
 at 0.93-0.96 of raw file I/O's speed where 2 threads read at 0.64-0.90 (in turn, medians of
 14-16 rounds), for 0-13 ms more from the page cache. Whatever is not a plain tensor blob
@@ -59,22 +60,14 @@ from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, Manife
 from .chunk_copy import copy_in_this_thread, copy_region, needed_span
 from .destinations import Into, Prepared, fill, resolved_into
 from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _ScratchPool
+from .read_schedule import BYTES_PER_THREAD, ONE_PASS_MIN, SMALL_LOAD_THREADS, StealingLanes, split_lanes
 from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes
 
 __all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
            "READ_THREADS", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD"]
 
-# plain tensor blobs longer than this are read straight into their destination (as a large one
-# is); shorter ones are read whole into a buffer and copied from it, with their neighbours
-ONE_PASS_MIN = 64 << 10
-COALESCE = 8 << 20  # neighbouring short items are read together, up to this many bytes a call
-RUN_GAP = 64  # ... when fewer bytes than this lie between them (a writer's alignment padding)
 READ_THREADS = 8  # reader threads per rank by default: on a cold cache, more reads in flight
-# ... but a small load gets few: below BYTES_PER_THREAD bytes a thread, more threads only add
-# their start and the GIL's hand-offs (1,000 tensors of 4 KiB per rank, 2 ranks, page cache:
-# 86 ms with 2 threads, 106 ms with 8)
-SMALL_LOAD_THREADS = 2
-BYTES_PER_THREAD = 16 << 20
+# ... but a small load gets few (read_schedule: SMALL_LOAD_THREADS, BYTES_PER_THREAD)
 SCRATCH_BUFFERS = 2  # large scratch buffers per load, shared by its reader threads
 _HEAD = 4096  # a blob's first bytes: its zip headers and data.pkl, up to the tensor's data
 # rows at least this long are read straight into a strided destination (a column slice, as
@@ -85,42 +78,6 @@ ROWS_MIN_BYTES = 64 << 10
 
 # apply_blob(group, blob_bytes): the caller's checked torch.load path for a group
 Fallback = Callable[[ItemGroup, bytes], None]
-
-
-def _runs(groups: List[ItemGroup]) -> List[List[ItemGroup]]:
-    """Groups in order, neighbouring small ones of one file (each starting where the previous
-    ends, or after the writer's alignment padding: less than RUN_GAP bytes) joined into runs of
-    at most COALESCE bytes."""
-    runs: List[List[ItemGroup]] = []
-    for g in groups:
-        prev = runs[-1][-1] if runs else None
-        if (prev is not None and g.length <= ONE_PASS_MIN and prev.length <= ONE_PASS_MIN and prev.file == g.file
-                and 0 <= g.offset - (prev.offset + prev.length) < RUN_GAP
-                and g.offset + g.length - runs[-1][0].offset <= COALESCE):
-            runs[-1].append(g)
-        else:
-            runs.append([g])
-    return runs
-
-
-def _split_lanes(groups: List[ItemGroup], count: int) -> List[List[ItemGroup]]:
-    """Runs of neighbouring groups (sorted by file and offset), about equal in bytes: at most
-    ``count``, and no more than one per BYTES_PER_THREAD bytes beyond SMALL_LOAD_THREADS."""
-    ordered = sorted(groups, key=lambda g: (g.file, g.offset))
-    total = sum(g.length for g in ordered)
-    count = min(count, max(SMALL_LOAD_THREADS, total // BYTES_PER_THREAD))
-    if count <= 1 or len(ordered) <= 1:
-        return [ordered]
-    share = total / count
-    lanes: List[List[ItemGroup]] = [[]]
-    filled = 0
-    for g in ordered:
-        if filled >= share and len(lanes) < count:
-            lanes.append([])
-            filled = 0
-        lanes[-1].append(g)
-        filled += g.length
-    return lanes
 
 
 class _LayoutCache:
@@ -568,16 +525,17 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
     """Read every group into the planner's destinations with ``thread_count`` threads; the
     first error of any thread is raised here once all have stopped."""
     reader = _GroupReader(Path(root), planner, manifest, fallback)
-    lanes = _split_lanes(groups, thread_count)
+    lanes = StealingLanes.of_groups(split_lanes(groups, thread_count))
     pool = _ScratchPool(min(len(lanes), SCRATCH_BUFFERS))
     errors: List[BaseException] = []
     failed = threading.Event()
 
-    def run(lane_groups: List[ItemGroup]) -> None:
+    def run(index: int) -> None:
         lane = _Lane(Path(root), pool)
         try:
-            for run_ in _runs(lane_groups):
-                if failed.is_set():
+            while not failed.is_set():
+                run_ = lanes.next_unit(index)
+                if run_ is None:
                     return
                 try:
                     if len(run_) == 1:
@@ -595,11 +553,11 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
     reader.prepare(groups)  # before any thread starts: a planner's error leaves none running
     # each thread runs in a copy of the caller's context (verification and trusted-unpickling
     # settings are context variables)
-    threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, lane_groups),
-                                name=f"dist_ckpt-reader-{i}") for i, lane_groups in enumerate(lanes[1:], 1)]
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(run, i), name=f"dist_ckpt-reader-{i}")
+               for i in range(1, len(lanes))]
     for t in threads:
         t.start()
-    run(lanes[0])
+    run(0)
     for t in threads:
         t.join()
     if errors:

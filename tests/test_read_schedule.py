@@ -1,0 +1,119 @@
+"""Which reader thread reads which items (``strategies/dcp/read_schedule.py``): lanes of
+neighbouring runs, and a thread done with its own lane taking the back half of the lane with the
+most bytes left, so that one slow read does not hold back the rest of the load."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import torch
+
+import dist_ckpt
+from dist_ckpt import ShardedTensor
+from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.strategies.dcp.read_calls import ItemGroup
+from dist_ckpt.strategies.dcp.read_schedule import ONE_PASS_MIN, StealingLanes
+from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
+
+LARGE = ONE_PASS_MIN + 1  # a group this long is a run of its own
+
+
+def _lane(file: str, count: int, length: int = LARGE) -> list:
+    return [ItemGroup(file, i * length, length) for i in range(count)]
+
+
+def _offsets(run) -> list:
+    return [(g.file, g.offset) for g in run]
+
+
+def test_a_lane_keeps_its_order_and_an_idle_thread_takes_the_back_half_of_the_fullest_lane():
+    lanes = StealingLanes.of_groups([_lane("a", 8), _lane("b", 2), _lane("c", 3)])
+    assert [_offsets(lanes.next_unit(1)) for _ in range(2)] == [[("b", 0)], [("b", LARGE)]]
+    # lane 1 is empty: lane 0 has the most bytes left (8 runs), its back half moves, in order
+    assert [_offsets(lanes.next_unit(1)) for _ in range(4)] == [[("a", i * LARGE)] for i in range(4, 8)]
+    assert lanes.stolen == 4
+    assert [_offsets(lanes.next_unit(0)) for _ in range(4)] == [[("a", i * LARGE)] for i in range(4)]
+    # lane 0 is empty: lane 2 has 3 runs left; at least one moves, and no more than half of its bytes
+    assert _offsets(lanes.next_unit(0)) == [("c", 2 * LARGE)]
+    assert [_offsets(lanes.next_unit(2)) for _ in range(2)] == [[("c", 0)], [("c", LARGE)]]
+    assert lanes.next_unit(0) is None and lanes.next_unit(1) is None and lanes.next_unit(2) is None
+
+
+def test_small_neighbours_stay_one_run_when_they_move():
+    small = [ItemGroup("a", i * 100, 100) for i in range(50)]  # one coalesced run
+    lanes = StealingLanes.of_groups([small, _lane("b", 1)])
+    assert len(lanes.next_unit(0)) == 50
+    assert _offsets(lanes.next_unit(1)) == [("b", 0)]
+    assert lanes.next_unit(1) is None and lanes.next_unit(0) is None
+
+
+def test_every_run_is_given_once_whatever_the_order_of_the_calls():
+    for seed in range(50):
+        rng = random.Random(seed)
+        groups = [_lane(f"f{i}", rng.randint(0, 12), rng.choice([LARGE, 3 * LARGE, 10])) for i in range(4)]
+        lanes = StealingLanes.of_groups(groups)
+        given, active = [], list(range(4))
+        while active:
+            lane = rng.choice(active)
+            run = lanes.next_unit(lane)
+            if run is None:
+                active.remove(lane)
+                # a lane that finds nothing left finds nothing in any other lane either
+                assert all(lanes.next_unit(other) is None for other in range(4))
+            else:
+                given.extend(_offsets(run))
+        expected = [(g.file, g.offset) for lane in groups for g in lane]
+        assert sorted(given) == sorted(expected) and len(given) == len(expected), seed
+
+
+def test_a_held_read_does_not_hold_back_the_rest_of_its_lane(tmp_path, monkeypatch):
+    """The first read of the first lane is held until every other item has been read: the other
+    thread must take the rest of that lane. With fixed lanes it would wait behind the held read
+    (the hold gives up after 20 s, and the test fails)."""
+    from dist_ckpt.strategies.dcp import read
+
+    full = {f"w{i:02d}": torch.randn(128, 256) for i in range(16)}  # 128 KiB each: a run of its own
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c")
+    real_read = read._GroupReader.read
+    others_read, held, released = [], [], threading.Event()
+
+    def read_held_or_counted(self, lane, group):
+        if threading.current_thread() is threading.main_thread() and not held:
+            held.append(group.items[0].storage_index.fqn)
+            released.wait(timeout=20)
+            held.append(len(others_read))  # what the other thread had read meanwhile
+        real_read(self, lane, group)
+        if threading.current_thread() is not threading.main_thread():
+            others_read.append(group.items[0].storage_index.fqn)
+            if len(others_read) == len(full) - 1:
+                released.set()
+
+    monkeypatch.setattr(read._GroupReader, "read", read_held_or_counted)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy(thread_count=2))
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    assert held == ["w00", len(full) - 1], held
+    assert sorted(others_read) == sorted(set(full) - {"w00"})
+
+
+def test_the_placement_floor_with_balanced_lanes_puts_every_byte_in_place(tmp_path):
+    """``benchmarks/placement_floor.py`` balances its lanes as the reader does: whatever thread
+    takes a move, the rows and column halves it places equal the saved tensors'."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from placement_floor import PlacementFloor, planned_moves
+    finally:
+        sys.path.pop(0)
+    full = {f"w{i:02d}": torch.randn(64, 512) for i in range(12)}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c")
+    for axis in (0, 1):  # rank 1 of 2: row halves (read in place), column halves (through scratch)
+        half = {k: (torch.zeros(32, 512) if axis == 0 else torch.zeros(64, 256), axis) for k in full}
+        floor = PlacementFloor(planned_moves(tmp_path / "c", half, 1, 2), 4)
+        for _ in range(3):
+            floor.run()
+        for k, t in full.items():
+            assert torch.equal(half[k][0], t.chunk(2, dim=axis)[1]), (axis, k)
