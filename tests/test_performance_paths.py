@@ -915,11 +915,12 @@ def test_scratch_pool_lends_each_buffer_to_one_thread_at_a_time():
 
 def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path, monkeypatch):
     """With READ_THREADS reader threads, chunks read through scratch memory (column halves of
-    narrow rows, loaded whole) borrow the pool's SCRATCH_BUFFERS buffers: never more are in use
-    at once, however many threads read, and every tensor loads bit-exact."""
+    narrow rows, loaded whole) borrow the pool's SCRATCH_BUFFERS buffers (no budget for more):
+    never more are in use at once, however many threads read, and every tensor loads bit-exact."""
     from dist_ckpt.strategies.dcp import read
 
     assert read.READ_THREADS > read.SCRATCH_BUFFERS
+    monkeypatch.setattr(read, "SCRATCH_BUDGET", 0)
     lent = {"now": 0, "most": 0, "takes": 0}
     lock = __import__("threading").Lock()
     real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
@@ -949,6 +950,57 @@ def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path,
     assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
     assert lent["takes"] == 2 * len(full) and lent["now"] == 0, lent  # one loan per chunk, all given back
     assert 1 <= lent["most"] <= read.SCRATCH_BUFFERS, lent
+
+
+def test_the_scratch_budget_lets_more_threads_read_through_scratch_memory(tmp_path, monkeypatch):
+    """Column halves of 2 MiB chunks loaded whole by 8 reader threads, with a scratch budget of
+    three such chunks: three threads hold a scratch buffer at once (each waits, holding it, until
+    three do, up to 5 s), never a fourth; bit-exact. Then: the count for other chunk sizes."""
+    import threading
+
+    from dist_ckpt.strategies.dcp import read, read_schedule
+    from dist_ckpt.strategies.dcp.read_calls import ItemGroup
+
+    chunk = 2048 * 256 * 4  # a stored column half: 2 MiB (its blob a little more)
+    monkeypatch.setattr(read, "SCRATCH_BUDGET", 3 * chunk + 3 * 8192)
+    monkeypatch.setattr(read_schedule, "BYTES_PER_THREAD", 1 << 20)  # 8 threads for this small load
+    lent = {"now": 0, "most": 0}
+    three = threading.Condition()
+    real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
+
+    def take(self):
+        buffer = real_take(self)
+        with three:
+            lent["now"] += 1
+            lent["most"] = max(lent["most"], lent["now"])
+            three.notify_all()
+            three.wait_for(lambda: lent["most"] >= 3, timeout=5)
+        return buffer
+
+    def give(self, buffer):
+        with three:
+            lent["now"] -= 1
+        real_give(self, buffer)
+
+    monkeypatch.setattr(read._ScratchPool, "take", take)
+    monkeypatch.setattr(read._ScratchPool, "give", give)
+    gen = torch.Generator().manual_seed(12)
+    full = {f"m{i}": torch.randn(2048, 512, generator=gen) for i in range(8)}
+    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 256:(h + 1) * 256].clone(), (1, h, 2))
+              for k, t in full.items() for h in range(2)}
+    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
+                            tmp_path / "c")
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    assert lent["most"] == 3 and lent["now"] == 0, lent
+
+    def count(length: int, threads: int = 8) -> int:
+        return read.scratch_buffer_count([ItemGroup("f", 0, length), ItemGroup("f", length, 100)], threads)
+
+    monkeypatch.setattr(read, "SCRATCH_BUDGET", 128 << 20)
+    assert [count(16 << 20), count(32 << 20), count(64 << 20), count(1 << 30)] == [8, 4, 2, 2]
+    assert count(16 << 20, threads=3) == 3 and count(16 << 20, threads=1) == 1
+    assert count(read.SMALL_BLOB) == read.SCRATCH_BUFFERS  # blobs this small never borrow one
 
 
 def test_copy_in_this_thread_equals_torch_copy():
