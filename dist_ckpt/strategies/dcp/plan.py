@@ -370,6 +370,13 @@ def plan_tensor_reads(
         stored_shape = stored_global_shape(sh.key, md, mcore_data)
         sh.check_against_stored(md.properties.dtype, stored_shape)
         req_piece = sh.piece()
+        if requests_of_key[sh.key] == 1 and not sh.allow_shape_mismatch:
+            whole = _whole_stored_chunk(sh.key, md, mcore_data, req_piece)
+            if whole is not None:  # the same layout: the request is one stored chunk
+                items.append(_read_item(sh.key, sh.global_offset, len(tasks), whole.index, (0,) * len(whole.stored_sizes),
+                                        whole.stored_sizes))
+                tasks.append(ReadTask(req_idx, req_piece.box, whole))
+                continue
         if sh.key not in catalogs:  # a key requested once: only the chunks near its request
             near = req_piece.box if requests_of_key[sh.key] == 1 else None
             catalogs[sh.key] = _ChunkIndex(stored_tensor_catalog(sh.key, md, mcore_data, near))
@@ -382,16 +389,7 @@ def plan_tensor_reads(
                 continue
             task, storage_offsets, lengths, elements = planned
             loaded += elements
-            items.append(
-                ReadItem(
-                    type=LoadItemType.TENSOR,
-                    dest_index=MetadataIndex(sh.key, sh.global_offset, len(tasks)),
-                    dest_offsets=torch.Size((0,) * len(lengths)),
-                    storage_index=chunk.index,
-                    storage_offsets=torch.Size(storage_offsets),
-                    lengths=torch.Size(lengths),
-                )
-            )
+            items.append(_read_item(sh.key, sh.global_offset, len(tasks), chunk.index, storage_offsets, lengths))
             tasks.append(task)
         expected = _expected_coverage(req_piece, stored_shape) if sh.allow_shape_mismatch else req_piece.numel
         if loaded != expected:
@@ -402,6 +400,32 @@ def plan_tensor_reads(
         if len(tasks) - first_task > 1:
             _check_disjoint(sh.key, tasks[first_task:])
     return items, tasks
+
+
+def _read_item(key: str, global_offset: Tuple[int, ...], task: int, storage_index: MetadataIndex,
+               storage_offsets: Tuple[int, ...], lengths: Tuple[int, ...]) -> ReadItem:
+    """A tensor read item, numbered by its task (``dest_index.index``)."""
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(key, global_offset, task),
+                    dest_offsets=torch.Size((0,) * len(lengths)), storage_index=storage_index,
+                    storage_offsets=torch.Size(storage_offsets), lengths=torch.Size(lengths))
+
+
+def _whole_stored_chunk(key: str, md: TensorStorageMetadata, mcore_data: dict, request: Piece
+                        ) -> Optional[StoredChunk]:
+    """The stored chunk that is exactly the requested box, if there is one (a load in the
+    layout it was saved in): what the general path would plan, without building a catalog and
+    intersecting boxes three times (a load of 100,000 small tensors per rank spent ~19 us per
+    tensor planning). Stored chunks do not overlap; if a damaged index had another chunk
+    overlapping this one, the request is still filled whole, from this one."""
+    box = request.box
+    if request.is_flat or 0 in box.shape or (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY) is not None:
+        return None
+    for chunk in (md.chunks if len(md.chunks) < _BISECT_FROM else _chunks_near(md.chunks, box)):
+        if chunk.offsets == box.offset and chunk.sizes == box.shape:
+            if not box.within(tuple(md.size)):
+                return None  # the general path names the chunk that lies outside
+            return StoredChunk(MetadataIndex(key, chunk.offsets), box.shape, Piece(box))
+    return None
 
 
 def _check_disjoint(key: str, tasks: Sequence[ReadTask]) -> None:

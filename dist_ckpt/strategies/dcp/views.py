@@ -40,6 +40,7 @@ class ViewLoadPlanner(LoadPlanner):
         self.buffers = [d.contiguous() if separate else d for d, separate in zip(datas, self._separate)]
         self.objects: Dict[str, Any] = {}
         self._arrays: Dict[int, Optional[numpy.ndarray]] = {}  # by request: direct_array's numpy view of it
+        self._boxes = [sh.global_box() for sh in requests]  # made once: asked for per item
 
     def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
         pass
@@ -61,13 +62,14 @@ class ViewLoadPlanner(LoadPlanner):
         self.objects[fqn] = loaded[0]
 
     def _box_view(self, request_idx: int) -> torch.Tensor:
-        return self.buffers[request_idx].view(self._requests[request_idx].global_box().shape)
+        buffer, shape = self.buffers[request_idx], self._boxes[request_idx].shape
+        return buffer if buffer.shape == shape else buffer.view(shape)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         task = self._tasks[_task_index(read_item)]
         sh = self._requests[task.request]
         if task.direct is not None:
-            box = sh.global_box()
+            box = self._boxes[task.request]
             if task.direct == box:  # the whole request (same layout): no slicing
                 return self._box_view(task.request)
             return self._box_view(task.request)[task.direct.slices_in(box)]
@@ -93,7 +95,7 @@ class ViewLoadPlanner(LoadPlanner):
         whole = self._arrays[task.request]
         if whole is None:
             return None
-        box = self._requests[task.request].global_box()
+        box = self._boxes[task.request]
         return whole if task.direct == box else whole[task.direct.slices_in(box)]
 
     def stored_chunk(self, read_item: ReadItem) -> Tuple[Tuple[int, ...], torch.dtype]:
