@@ -9,15 +9,16 @@ one round than in the next (the disk, the VM's host), and a load lasts as long a
 lane. So a thread that has read its own lane takes the back half, by bytes, of the runs not yet
 begun in the lane with the most left (``StealingLanes``): the start of every lane is unchanged,
 and only the end of the load is rebalanced. On a cold 2-rank load of 1 GiB, 8 threads, the
-lanes of one load ended 154-211 ms apart with fixed lanes (medians over 10 rounds), while the
-median lane had ended at about the time the placement floor's last one did.
+lanes of one load ended 154-347 ms apart with fixed lanes (medians over 10 rounds, seven runs),
+while the median lane had ended at about the time the placement floor's last one did; with
+stealing, 3-11 ms apart (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Deque, Generic, List, Optional, TypeVar
+from typing import Callable, Deque, Generic, List, Optional, Tuple, TypeVar
 
 from .read_calls import ItemGroup
 
@@ -88,9 +89,9 @@ class StealingLanes(Generic[Unit]):
     goes on from there. (``benchmarks/placement_floor.py`` balances its lanes with it too.)"""
 
     def __init__(self, lanes: List[List[Unit]], size: Callable[[Unit], int]) -> None:
-        self._queues: List[Deque[Unit]] = [deque(lane) for lane in lanes]
-        self._size = size
-        self._left = [sum(map(size, q)) for q in self._queues]
+        # each unit with its size, measured once (a run of small items may hold thousands)
+        self._queues: List[Deque[Tuple[int, Unit]]] = [deque((size(u), u) for u in lane) for lane in lanes]
+        self._left = [sum(n for n, _ in q) for q in self._queues]
         self._lock = threading.Lock()
         self.stolen = 0  # units moved between lanes (for tests and measurements)
 
@@ -110,8 +111,8 @@ class StealingLanes(Generic[Unit]):
                 self._steal_into(lane)
                 if not queue:
                     return None
-            unit = queue.popleft()
-            self._left[lane] -= self._size(unit)
+            size, unit = queue.popleft()
+            self._left[lane] -= size
             return unit
 
     def _steal_into(self, lane: int) -> None:
@@ -120,12 +121,11 @@ class StealingLanes(Generic[Unit]):
         if not source:
             return
         total = self._left[victim]
-        taken: List[Unit] = []
+        taken: List[Tuple[int, Unit]] = []
         moved = 0
-        while source and (not taken or 2 * (moved + self._size(source[-1])) <= total):
-            unit = source.pop()
-            taken.append(unit)
-            moved += self._size(unit)
+        while source and (not taken or 2 * (moved + source[-1][0]) <= total):
+            taken.append(source.pop())
+            moved += taken[-1][0]
         self._left[victim] -= moved
         self._left[lane] += moved
         self._queues[lane].extend(reversed(taken))
