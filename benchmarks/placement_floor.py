@@ -24,6 +24,7 @@ dist_ckpt's load put them.
 
 from __future__ import annotations
 
+import operator
 import os
 import pickle
 import threading
@@ -126,7 +127,7 @@ class PlacementFloor:
         """Every move, the lanes in threads (the first on the calling thread), a thread done
         with its own lane taking moves not yet begun from the others, as dist_ckpt's reader
         does (``read_schedule.StealingLanes``): equal bytes are not equal time on a cold cache."""
-        work = StealingLanes(self.lanes, _move_bytes)
+        work = StealingLanes(self.lanes, operator.attrgetter("nbytes"))
         threads = [threading.Thread(target=self._lane, args=(i, work)) for i in range(1, len(self.lanes))]
         for t in threads:
             t.start()
@@ -151,10 +152,6 @@ class PlacementFloor:
         finally:
             for fd in fds.values():
                 os.close(fd)
-
-
-def _move_bytes(move: Move) -> int:
-    return move.nbytes
 
 
 def _read(fd: int, view: memoryview, offset: int) -> None:

@@ -913,6 +913,48 @@ def test_scratch_pool_lends_each_buffer_to_one_thread_at_a_time():
     pool.give(got[0])
 
 
+def _count_scratch_loans(monkeypatch, lent: dict, after_take=None) -> None:
+    """Spies on the scratch pool: ``lent`` counts loans now out, the most at once and in all;
+    ``after_take(lent)`` runs under the spies' condition right after each loan."""
+    import threading
+
+    from dist_ckpt.strategies.dcp import read
+
+    lent.update(now=0, most=0, takes=0, changed=threading.Condition())
+    real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
+
+    def take(self):
+        buffer = real_take(self)
+        with lent["changed"]:
+            lent["now"] += 1
+            lent["takes"] += 1
+            lent["most"] = max(lent["most"], lent["now"])
+            if after_take is not None:
+                after_take(lent)
+        return buffer
+
+    def give(self, buffer):
+        with lent["changed"]:
+            lent["now"] -= 1
+        real_give(self, buffer)
+
+    monkeypatch.setattr(read._ScratchPool, "take", take)
+    monkeypatch.setattr(read._ScratchPool, "give", give)
+
+
+def _load_column_halves_whole(path: Path, count: int, seed: int) -> None:
+    """``count`` matrices saved as column halves (1 KiB rows, 2 MiB chunks: read through scratch
+    memory when loaded whole), loaded whole; bit-exact."""
+    gen = torch.Generator().manual_seed(seed)
+    full = {f"m{i}": torch.randn(2048, 512, generator=gen) for i in range(count)}
+    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 256:(h + 1) * 256].clone(), (1, h, 2))
+              for k, t in full.items() for h in range(2)}
+    dist_ckpt.save(halves, path, validate_access_integrity=False)
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
+                            path)
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+
+
 def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path, monkeypatch):
     """With READ_THREADS reader threads, chunks read through scratch memory (column halves of
     narrow rows, loaded whole) borrow the pool's SCRATCH_BUFFERS buffers (no budget for more):
@@ -921,34 +963,10 @@ def test_a_resharding_load_holds_at_most_scratch_buffers_large_buffers(tmp_path,
 
     assert read.READ_THREADS > read.SCRATCH_BUFFERS
     monkeypatch.setattr(read, "SCRATCH_BUDGET", 0)
-    lent = {"now": 0, "most": 0, "takes": 0}
-    lock = __import__("threading").Lock()
-    real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
-
-    def take(self):
-        buffer = real_take(self)
-        with lock:
-            lent["now"] += 1
-            lent["takes"] += 1
-            lent["most"] = max(lent["most"], lent["now"])
-        return buffer
-
-    def give(self, buffer):
-        with lock:
-            lent["now"] -= 1
-        real_give(self, buffer)
-
-    monkeypatch.setattr(read._ScratchPool, "take", take)
-    monkeypatch.setattr(read._ScratchPool, "give", give)
-    gen = torch.Generator().manual_seed(11)
-    full = {f"m{i}": torch.randn(2048, 512, generator=gen) for i in range(16)}  # halves: 1 KiB rows, 2 MiB
-    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 256:(h + 1) * 256].clone(), (1, h, 2))
-              for k, t in full.items() for h in range(2)}
-    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
-    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
-                            tmp_path / "c")
-    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
-    assert lent["takes"] == 2 * len(full) and lent["now"] == 0, lent  # one loan per chunk, all given back
+    lent: dict = {}
+    _count_scratch_loans(monkeypatch, lent)
+    _load_column_halves_whole(tmp_path / "c", 16, seed=11)
+    assert lent["takes"] == 2 * 16 and lent["now"] == 0, lent  # one loan per chunk, all given back
     assert 1 <= lent["most"] <= read.SCRATCH_BUFFERS, lent
 
 
@@ -956,43 +974,21 @@ def test_the_scratch_budget_lets_more_threads_read_through_scratch_memory(tmp_pa
     """Column halves of 2 MiB chunks loaded whole by 8 reader threads, with a scratch budget of
     three such chunks: three threads hold a scratch buffer at once (each waits, holding it, until
     three do, up to 5 s), never a fourth; bit-exact. Then: the count for other chunk sizes."""
-    import threading
-
     from dist_ckpt.strategies.dcp import read, read_schedule
     from dist_ckpt.strategies.dcp.read_calls import ItemGroup
 
     chunk = 2048 * 256 * 4  # a stored column half: 2 MiB (its blob a little more)
     monkeypatch.setattr(read, "SCRATCH_BUDGET", 3 * chunk + 3 * 8192)
     monkeypatch.setattr(read_schedule, "BYTES_PER_THREAD", 1 << 20)  # 8 threads for this small load
-    lent = {"now": 0, "most": 0}
-    three = threading.Condition()
-    real_take, real_give = read._ScratchPool.take, read._ScratchPool.give
 
-    def take(self):
-        buffer = real_take(self)
-        with three:
-            lent["now"] += 1
-            lent["most"] = max(lent["most"], lent["now"])
-            three.notify_all()
-            three.wait_for(lambda: lent["most"] >= 3, timeout=5)
-        return buffer
+    def until_three_are_lent(lent: dict) -> None:
+        lent["changed"].notify_all()
+        lent["changed"].wait_for(lambda: lent["most"] >= 3, timeout=5)
 
-    def give(self, buffer):
-        with three:
-            lent["now"] -= 1
-        real_give(self, buffer)
-
-    monkeypatch.setattr(read._ScratchPool, "take", take)
-    monkeypatch.setattr(read._ScratchPool, "give", give)
-    gen = torch.Generator().manual_seed(12)
-    full = {f"m{i}": torch.randn(2048, 512, generator=gen) for i in range(8)}
-    halves = {f"{k}@{h}": ShardedTensor.from_rank_offsets(k, t[:, h * 256:(h + 1) * 256].clone(), (1, h, 2))
-              for k, t in full.items() for h in range(2)}
-    dist_ckpt.save(halves, tmp_path / "c", validate_access_integrity=False)
-    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()},
-                            tmp_path / "c")
-    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
-    assert lent["most"] == 3 and lent["now"] == 0, lent
+    lent: dict = {}
+    _count_scratch_loans(monkeypatch, lent, until_three_are_lent)
+    _load_column_halves_whole(tmp_path / "c", 8, seed=12)
+    assert lent["most"] == 3 and lent["now"] == 0, {k: v for k, v in lent.items() if k != "changed"}
 
     def count(length: int, threads: int = 8) -> int:
         return read.scratch_buffer_count([ItemGroup("f", 0, length), ItemGroup("f", length, 100)], threads)
