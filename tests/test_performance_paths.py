@@ -415,6 +415,34 @@ def test_staging_buffers_belong_to_one_save_until_it_releases():
     assert pool.leased == 0 and len(pool._idle) == 2  # two were in flight at once: two sets kept
 
 
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_staging_copies_on_the_calling_thread_not_through_torch(monkeypatch, shared):
+    """The staging copy of CPU tensors is numpy's, on the calling thread: torch's copy starts
+    its OpenMP threads, and 4 ranks on 2 cores copying that way beside the writers took up to
+    2.5 s instead of 0.15 s. Fresh and reused buffers, plain and shared memory, every element
+    size, a strided source: bit-exact."""
+    from dist_ckpt.strategies.dcp.staging import StagingBuffers
+
+    def no_torch_copy(self, *args, **kwargs):
+        raise AssertionError("the staging copy went through torch's copy_")
+
+    def tensors(salt: int) -> list:
+        gen = torch.Generator().manual_seed(salt)
+        return [torch.randn(64, 48, generator=gen).to(torch.bfloat16), torch.randn(64, 48, generator=gen),
+                torch.randn(48, 64, generator=gen).t(),  # strided: a transposed view
+                torch.randint(-2**40, 2**40, (100,), generator=gen), torch.randn(16, generator=gen) > 0]
+
+    pool = StagingBuffers(shared=shared)
+    for salt in range(3):  # the first stage allocates, the next ones reuse the released set
+        live = tensors(salt)
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.Tensor, "copy_", no_torch_copy)
+            lease = pool.stage(live)
+        assert all(tensors_bitwise_equal(b, t) for b, t in zip(lease.buffers, live)), salt
+        lease.release()
+    assert pool.reused_bytes == sum(t.numel() * t.element_size() for t in live)
+
 def _async_budget_saves(rank: int, world: int, root: str, writer: str) -> list:
     shapes = {f"t{i}": ((64, 256), torch.float32) for i in range(6)}  # 32 KiB per rank each
     strategy = TorchDistSaveShardedStrategy(async_writer=writer, async_staging_budget=70 * 1024)

@@ -18,6 +18,12 @@ So ``StagingBuffers``:
   beyond it are written by the save call itself, straight from the live tensors (no copy at
   all), before the call returns.
 
+The copies are numpy's, on the calling thread (``chunk_copy.copy_in_this_thread``), not
+torch's: torch's copy of a CPU tensor starts its intra-op (OpenMP) threads, which spin while
+they wait for each other, and beside the other ranks and the previous save's writer they
+oversubscribe the cores. 4 ranks on 2 cores (270 MiB each, 2 OpenMP threads per rank, as
+processes spawned without ``OMP_NUM_THREADS`` have) took 0.18-2.5 s to copy, 56-150 ms with one.
+
 For a writer process the copies are views into one ``SharedArena`` per allocation, which the
 writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
 per tensor handed over anew at every save.
@@ -33,6 +39,7 @@ from typing import List, Optional
 import torch
 
 from ...runtime.shared_arena import SharedArena
+from .chunk_copy import copy_in_this_thread
 
 __all__ = ["StagingBuffers", "StagingLease"]
 
@@ -155,7 +162,7 @@ class StagingBuffers:
         start = time.perf_counter()
         for staged_buffer, tensor in zip(staged, tensors):
             if staged_buffer is not None:
-                staged_buffer.copy_(tensor)
+                copy_in_this_thread(staged_buffer, tensor)
         self.last_copy_seconds = time.perf_counter() - start
         live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
         return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live])
