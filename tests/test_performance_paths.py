@@ -245,6 +245,10 @@ def _exchange_counts(rank: int, world: int, root: str) -> dict:
             sent.extend(v.numel() for v in obj.values())  # the tensor exchange's payload
         return real_gather(output, obj, *args, **kwargs)
 
+    import dist_ckpt.strategies.fully_parallel as fully_parallel
+
+    real_copy, copied = fully_parallel.copy_in_this_thread, []
+    fully_parallel.copy_in_this_thread = lambda target, source: (copied.append(target.numel()), real_copy(target, source))
     counts = {}
     for algo in ("broadcast", "gather_object"):
         request = state(True)
@@ -259,6 +263,7 @@ def _exchange_counts(rank: int, world: int, root: str) -> dict:
         for key in expected:
             assert tensors_bitwise_equal(loaded[key], expected[key]), (algo, key)
         counts[algo] = list(sent)
+    counts["copied"] = copied  # received tensors go into the request's through numpy's copy, not torch's
     return counts
 
 
@@ -268,8 +273,8 @@ def test_fully_parallel_load_sends_only_shards_another_rank_needs(tmp_path):
     counts = run_distributed(_exchange_counts, 2, str(tmp_path))
     # the replicated tensor once, by the rank that read it (rank 0 sends, rank 1 receives; for
     # gather_object only the sender's payload is non-empty)
-    assert counts[0] == {"broadcast": [64], "gather_object": [64]}, counts
-    assert counts[1] == {"broadcast": [64], "gather_object": []}, counts
+    assert counts[0] == {"broadcast": [64], "gather_object": [64], "copied": []}, counts
+    assert counts[1] == {"broadcast": [64], "gather_object": [], "copied": [64, 64]}, counts
 
 
 def _received_during_load(rank: int, world: int, root: str) -> dict:

@@ -33,6 +33,7 @@ from ..runtime.collectives import DistWrapper
 from ..utils import _sharded_object_id, _sharded_tensor_shard_id, _ShardId  # noqa: F401 - Megatron-Core's names here
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy, SaveShardedStrategy
+from .dcp.chunk_copy import copy_in_this_thread
 
 __all__ = [
     "FullyParallelSaveStrategyWrapper",
@@ -164,8 +165,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             tensor = tensors[shard_id(sh)]
             if sh.data is None:
                 return tensor
-            if sh.data is not tensor:
-                sh.data.detach().copy_(tensor.view(sh.data.shape))
+            if sh.data is not tensor:  # numpy's copy, not torch's OpenMP one (see copy_in_this_thread)
+                copy_in_this_thread(sh.data.detach(), tensor.view(sh.data.shape))
             return sh.data
 
         result = dict_list_map_outplace(fill, sharded_state_dict)

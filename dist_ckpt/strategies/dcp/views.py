@@ -132,7 +132,7 @@ class ViewLoadPlanner(LoadPlanner):
     def copy_back(self) -> None:
         for sh, buffer, separate in zip(self._requests, self.buffers, self._separate):
             if separate:
-                sh.require_data().detach().copy_(buffer)
+                copy_in_this_thread(sh.require_data().detach(), buffer)
 
 
 def _task_index(read_item: ReadItem) -> int:
