@@ -90,6 +90,7 @@ from readme_tables import README, machine_description, markdown_table, replace_s
 
 WORLD = 2
 Times = Dict[str, Dict[str, List[float]]]
+RAW_OF_CHECKPOINT = "raw, its files"  # raw I/O's loop over the same-layout checkpoint's own files
 
 
 def model_state(size_mib: int, rank: int, world: int) -> Dict[str, tuple]:
@@ -566,6 +567,7 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         raw_save(raw_dir)
         del raw_save  # it holds the state's tensors
         loads.append(("raw", "load_same_2ranks", raw_dir, lambda d: lambda: raw_load(d)))
+        loads.append((RAW_OF_CHECKPOINT, "load_same_2ranks", own, lambda d: _raw_reader_of(sorted(d.glob(f"__{rank}_*.distcp")))))
     del state
     for r in range(repeat + 1):  # round 0: warm-up, discarded
         for tool, phase, ckpt, load in loads[r % len(loads):] + loads[:r % len(loads)]:
@@ -580,6 +582,24 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
                 raise AssertionError(f"rank {rank}: the floor of {resharded} left {len(wrong)} tensors unlike dist_ckpt's "
                                      f"load, e.g. {wrong[0]}")
     return times
+
+
+def _raw_reader_of(files: List[Path]) -> Callable[[], None]:
+    """Raw file I/O's loop (one thread, ``readinto`` in order) over ``files``, whole, into one
+    buffer allocated and touched now: how fast the checkpoint's own files read with the loop
+    that reads raw I/O's file. On this VM the same loop read the same bytes from two files
+    0.52 and 0.87 s (the checkpoint's file and a copy of it; 8 threads read both in 0.47-0.49 s),
+    so a ratio to raw I/O's own file also measures where its file lies."""
+    buffer = memoryview(bytearray(max(f.stat().st_size for f in files)))
+    piece = 2 << 20  # the size of most tensors raw I/O reads
+
+    def read() -> None:
+        for path in files:
+            with open(path, "rb") as f:
+                at = 0
+                while f.readinto(buffer[at : at + piece]):
+                    at += piece
+    return read
 
 
 def _local_job(rank: int, world: int, root: str, shm: str, size_mib: int, repeat: int) -> Times:
@@ -716,6 +736,13 @@ def _table(results: Times, nbytes: int) -> List[str]:
     return lines
 
 
+def _paired(ours: List[float], other: List[float]) -> float:
+    """The median of the rounds' ratios ours / other (loads that took turns in each round):
+    steadier than the ratio of medians on this VM, whose cold reads are 2x slower in some rounds
+    for every tool."""
+    return statistics.median(a / b for a, b in zip(ours, other))
+
+
 def _ratios(results: Times) -> str:
     ours, raw, mc = results["dist_ckpt"], results.get("raw", {}), results.get("megatron-core", {})
     med = {k: statistics.median(v) for k, v in ours.items()}
@@ -730,7 +757,9 @@ def _ratios(results: Times) -> str:
             parts.append(f"load resharded {a} -> {b} ranks / same layout on {b} ranks {med[resharded] / med[same]:.2f}x"
                          + (f" (the floors': {floor[resharded] / floor[same]:.2f}x; dist_ckpt / its floor "
                             f"{med[same] / floor[same]:.2f}x same layout, {med[resharded] / floor[resharded]:.2f}x "
-                            f"resharded)" if resharded in floor and same in floor else ""))
+                            f"resharded; round by round {_paired(ours[same], results['floor'][same]):.2f}x, "
+                            f"{_paired(ours[resharded], results['floor'][resharded]):.2f}x)"
+                            if resharded in floor and same in floor else ""))
     if "async_blocked" in med:
         parts.append(f"async blocked {med['async_blocked']:.3f} s"
                      + (f" ({med['async_blocked'] / med['save']:.1%} of a sync save)" if "save" in med else "")
@@ -741,6 +770,12 @@ def _ratios(results: Times) -> str:
         parts.append(f"same-layout load on 2 ranks, in turn with raw I/O and its floor: "
                      f"{statistics.median(raw_beside) / ours_beside:.2f} of raw, {floor_beside / ours_beside:.2f} of the "
                      f"floor, which reads at {statistics.median(raw_beside) / floor_beside:.2f} of raw")
+        same_rounds = ours["load_same_2ranks"]
+        paired = [f"{_paired(same_rounds, results[tool]['load_same_2ranks']):.2f}x {name}"
+                  for tool, name in (("raw", "raw I/O"), (RAW_OF_CHECKPOINT, "raw I/O's loop over its own files"),
+                                     ("floor", "its floor")) if "load_same_2ranks" in results.get(tool, {})]
+        parts.append("same-layout load on 2 ranks, round by round (medians of the rounds' ratios): "
+                     + ", ".join(paired))
     if "async_step_slowdown" in floor and "async_step_slowdown" in med:
         ratio = med["async_step_slowdown"] / floor["async_step_slowdown"] if floor["async_step_slowdown"] > 0 else 0
         parts.append(f"async step slowdown {med['async_step_slowdown']:+.1%} against a bare writer's "
@@ -810,7 +845,7 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, load_rounds: int, ma
                                  ("load_cached", "load from page cache", False),
                                  ("load_resharded", "load resharded 2 -> 1 rank, cold cache", True),
                                  ("load_same_2ranks", "load, same layout, cold cache (2 ranks, in turn with the next "
-                                                      "two rows)", True),
+                                                      "three rows)", True),
                                  ("load_resharded_4to2", "load resharded 4 -> 2 ranks, cold cache", True),
                                  ("load_same_4ranks", "load, same layout, cold cache (4 ranks, in turn with the next "
                                                       "two rows)", True),
@@ -818,14 +853,19 @@ def _readme_lines(results: Times, nbytes: int, repeat: int, load_rounds: int, ma
         cells = [stats(tool, phase, spread) for tool, _ in _COLUMNS]
         if any(cells):
             rows.append([label, *cells])
+        if phase == "load_same_2ranks" and stats(RAW_OF_CHECKPOINT, phase):
+            rows.append(["raw file I/O's loop over dist_ckpt's files of the row above (in turn with it)",
+                         stats(RAW_OF_CHECKPOINT, phase), "", "", "", ""])
         same = phase.replace("resharded_4to2", "same_2ranks").replace("resharded_2to4", "same_4ranks")
         if phase.startswith("load_resharded_") and stats("floor", same) and stats("floor", phase):
             ratio = med("floor", phase) / med("floor", same)  # type: ignore[operator]
             over = [med("dist_ckpt", p) / med("floor", p) for p in (same, phase)]  # type: ignore[operator]
+            paired = [_paired(results["dist_ckpt"][p], results["floor"][p]) for p in (same, phase)]
             rows.append([f"the floor of the two rows above: the bytes each load needs read into its tensors and hashed "
                          f"in {READ_THREADS} threads, the chunks of a column slice copied into place, nothing planned",
                          *ours(f"{stats('floor', same)} / {stats('floor', phase)} ({ratio:.2f}x; dist_ckpt "
-                               f"{over[0]:.2f}x / {over[1]:.2f}x its floor)")])
+                               f"{over[0]:.2f}x / {over[1]:.2f}x its floor, {paired[0]:.2f}x / {paired[1]:.2f}x "
+                               f"round by round)")])
     if any(med(tool, "save_mem") is not None for tool, _ in _COLUMNS):
         rows.append(["peak extra memory, save / load (MiB)",
                      *[f"{med(t, 'save_mem'):.0f} / {med(t, 'load_mem'):.0f}" if med(t, "save_mem") is not None else ""
