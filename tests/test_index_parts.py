@@ -151,6 +151,42 @@ def test_a_region_of_one_whole_fragment_meets_what_the_general_search_meets(save
     assert len(key_index.meeting(RequestedRegion("flat", (4, 0), (4, 6), (9, 11)))) == 2
 
 
+
+def test_a_region_that_is_a_stored_chunk_meets_what_the_bisection_meets(saved):
+    """The short path for a region that is exactly a stored chunk (the layout it was saved in)
+    finds what the bisection over the key's rows finds, for stored chunks, parts and unions of
+    them, empty regions and regions of another rank count; and it is the one taken for the
+    stored chunks."""
+    metadata = read_dcp_metadata(saved / "ckpt")
+    with_short_path = _KeyIndex("grid", metadata.state_dict_metadata["grid"], None)
+    general = _KeyIndex("grid", metadata.state_dict_metadata["grid"], None)
+    general.exact = {}
+    regions = [RequestedRegion("grid", (row, col), (rows, cols), None)
+               for row in (0, 1, 2, 4) for col in (0, 2, 3) for rows in (0, 1, 2, 4) for cols in (0, 3, 6)]
+    stored = 0
+    for region in regions:
+        assert [id(c) for c in with_short_path.meeting(region)] == [id(c) for c in general.meeting(region)], region
+        stored += (region.offset, region.shape) in with_short_path.exact and 0 not in region.shape
+    assert stored == 4  # the 2 x 2 grid's chunks of (2, 3)
+    taken: list = []
+    with_short_path.exact = _Recording(with_short_path.exact, taken)
+    assert len(with_short_path.meeting(RequestedRegion("grid", (2, 3), (2, 3), None))) == 1
+    assert taken == [((2, 3), (2, 3))]
+
+
+class _Recording(dict):
+    """A dict that records the keys found in it."""
+
+    def __init__(self, data: dict, found: list) -> None:
+        super().__init__(data)
+        self.found = found
+
+    def get(self, key, default=None):
+        value = super().get(key, default)
+        if value is not None:
+            self.found.append(key)
+        return value
+
 def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(saved):
     """A rank asking for several regions of one key (a stacked layer's parameter: one per layer)
     gets each chunk they meet once, in stored order, and plans as from the whole index; two
