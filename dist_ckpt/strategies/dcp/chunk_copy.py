@@ -1,7 +1,9 @@
 """A read item's region of a stored chunk: which bytes of the chunk hold it (``needed_span``,
 so that a resharding load reads only those), and its copy into the destination
 (``copy_region``, checked against what ``.metadata`` promised), on the calling reader thread
-(``copy_in_this_thread``). The reader (``read.py``) and the load planner (``views.py``) share them."""
+(``copy_in_this_thread``). The reader (``read.py``) and the load planner (``views.py``) share them;
+``copy_in_this_thread`` is also every other copy of tensor data that runs beside other ranks or
+threads (the async save's staging copy, the fully parallel load's received tensors)."""
 
 from __future__ import annotations
 
