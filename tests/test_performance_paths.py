@@ -442,11 +442,36 @@ def test_staging_copies_on_the_calling_thread_not_through_torch(monkeypatch, sha
     for salt in range(3):  # the first stage allocates, the next ones reuse the released set
         live = tensors(salt)
         with monkeypatch.context() as patched:
+            patched.setattr(torch, "get_num_threads", lambda: 2)  # a process with an OpenMP team
             patched.setattr(torch.Tensor, "copy_", no_torch_copy)
             lease = pool.stage(live)
         assert all(tensors_bitwise_equal(b, t) for b, t in zip(lease.buffers, live)), salt
         lease.release()
     assert pool.reused_bytes == sum(t.numel() * t.element_size() for t in live)
+
+
+def test_copies_in_a_process_of_one_intra_op_thread_take_torch_for_contiguous_tensors(monkeypatch):
+    """With one intra-op thread (torchrun's default) torch's copy starts no OpenMP team and
+    is the faster for contiguous tensors; a strided copy still goes through numpy. Bit-exact."""
+    from dist_ckpt.strategies.dcp.chunk_copy import copy_in_this_thread
+
+    real_copy, torch_copies = torch.Tensor.copy_, []
+
+    def counted(self, *args, **kwargs):
+        torch_copies.append(tuple(self.shape))
+        return real_copy(self, *args, **kwargs)
+
+    source = torch.randn(64, 48).to(torch.bfloat16)
+    contiguous, strided = torch.zeros(64, 48, dtype=torch.bfloat16), torch.zeros(64, 96, dtype=torch.bfloat16)
+    for threads in (1, 2):
+        torch_copies.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(torch, "get_num_threads", lambda: threads)
+            patched.setattr(torch.Tensor, "copy_", counted)
+            copy_in_this_thread(contiguous, source)
+            copy_in_this_thread(strided[:, 24:72], source)
+        assert torch_copies == ([(64, 48)] if threads == 1 else []), threads
+        assert tensors_bitwise_equal(contiguous, source) and tensors_bitwise_equal(strided[:, 24:72], source)
 
 def _async_budget_saves(rank: int, world: int, root: str, writer: str) -> list:
     shapes = {f"t{i}": ((64, 256), torch.float32) for i in range(6)}  # 32 KiB per rank each

@@ -73,11 +73,17 @@ _SAME_SIZE_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 def copy_in_this_thread(target: torch.Tensor, source: torch.Tensor) -> None:
     """``target.copy_(source)`` (same dtype and shape) on this thread alone, the GIL released.
 
-    torch's copy of a large strided tensor starts its intra-op (OpenMP) threads; called from
-    the reader lanes of several ranks at once, those oversubscribe the cores: a resharding
-    load's copies took 0.164 s with 2 OpenMP threads per rank against 0.033 s with one (2 ranks
-    on 2 cores). numpy's copy of the same bytes runs on the calling thread."""
+    torch's copy of a large tensor starts its intra-op (OpenMP) threads, which spin while they
+    wait for each other; called from the reader lanes of several ranks at once, or beside
+    other ranks and writers, those oversubscribe the cores: a resharding load's copies took
+    0.164 s with 2 OpenMP threads per rank against 0.033 s with one (2 ranks on 2 cores), an
+    async save's staging copy of 270 MiB per rank 0.18-2.5 s instead of 56-150 ms (4 ranks).
+    numpy's copy of the same bytes runs on the calling thread. A process of one intra-op
+    thread (as torchrun starts them) starts no parallel region; there torch's copy of
+    contiguous tensors is the faster one (540 MiB by 2 ranks at once: 74-75 ms against numpy's
+    81-83), while numpy's strided copy beat torch's (a 32 MiB column slice: 2.4 against 3.1 ms)."""
     if (target.dtype != source.dtype or any(t.is_conj() or t.is_neg() or t.requires_grad for t in (target, source))
+            or (torch.get_num_threads() == 1 and target.is_contiguous() and source.is_contiguous())
             or (into := same_size_ints(target)) is None or (out_of := same_size_ints(source)) is None):
         target.copy_(source)
         return
