@@ -423,10 +423,10 @@ def test_staging_buffers_belong_to_one_save_until_it_releases():
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_staging_copies_on_the_calling_thread_not_through_torch(monkeypatch, shared):
-    """The staging copy of CPU tensors is numpy's, on the calling thread: torch's copy starts
-    its OpenMP threads, and 4 ranks on 2 cores copying that way beside the writers took up to
-    2.5 s instead of 0.15 s. Fresh and reused buffers, plain and shared memory, every element
-    size, a strided source: bit-exact."""
+    """In a process with several intra-op threads the staging copy of CPU tensors is numpy's,
+    on the calling thread: torch's copy starts its OpenMP threads, and 4 ranks on 2 cores
+    copying that way beside the writers took up to 2.5 s instead of 0.15 s. Fresh and reused
+    buffers, plain and shared memory, every element size, a strided source: bit-exact."""
     from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
     def no_torch_copy(self, *args, **kwargs):

@@ -165,7 +165,7 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             tensor = tensors[shard_id(sh)]
             if sh.data is None:
                 return tensor
-            if sh.data is not tensor:  # numpy's copy, not torch's OpenMP one (see copy_in_this_thread)
+            if sh.data is not tensor:  # on this thread alone, no OpenMP team (see copy_in_this_thread)
                 copy_in_this_thread(sh.data.detach(), tensor.view(sh.data.shape))
             return sh.data
 

@@ -18,8 +18,9 @@ So ``StagingBuffers``:
   beyond it are written by the save call itself, straight from the live tensors (no copy at
   all), before the call returns.
 
-The copies are numpy's, on the calling thread (``chunk_copy.copy_in_this_thread``), not
-torch's: torch's copy of a CPU tensor starts its intra-op (OpenMP) threads, which spin while
+The copies run on the calling thread alone (``chunk_copy.copy_in_this_thread``: numpy's copy
+in a process with several intra-op threads, torch's in one with a single thread, which starts
+none): torch's copy of a CPU tensor starts its intra-op (OpenMP) threads, which spin while
 they wait for each other, and beside the other ranks and the previous save's writer they
 oversubscribe the cores. 4 ranks on 2 cores (270 MiB each, 2 OpenMP threads per rank, as
 processes spawned without ``OMP_NUM_THREADS`` have) took 0.18-2.5 s to copy, 56-150 ms with one.
