@@ -567,7 +567,8 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         raw_save(raw_dir)
         del raw_save  # it holds the state's tensors
         loads.append(("raw", "load_same_2ranks", raw_dir, lambda d: lambda: raw_load(d)))
-        loads.append((RAW_OF_CHECKPOINT, "load_same_2ranks", own, lambda d: _raw_reader_of(sorted(d.glob(f"__{rank}_*.distcp")))))
+        loads.append((RAW_OF_CHECKPOINT, "load_same_2ranks", own,
+                      lambda d: _raw_reader_of(sorted(d.glob(f"__{rank}_*.distcp")))))
     del state
     for r in range(repeat + 1):  # round 0: warm-up, discarded
         for tool, phase, ckpt, load in loads[r % len(loads):] + loads[:r % len(loads)]:

@@ -151,7 +151,6 @@ def test_a_region_of_one_whole_fragment_meets_what_the_general_search_meets(save
     assert len(key_index.meeting(RequestedRegion("flat", (4, 0), (4, 6), (9, 11)))) == 2
 
 
-
 def test_a_region_that_is_a_stored_chunk_meets_what_the_bisection_meets(saved):
     """The short path for a region that is exactly a stored chunk (the layout it was saved in)
     finds what the bisection over the key's rows finds, for stored chunks, parts and unions of
@@ -186,6 +185,7 @@ class _Recording(dict):
         if value is not None:
             self.found.append(key)
         return value
+
 
 def test_regions_of_one_key_are_met_together_and_shared_parts_are_made_once(saved):
     """A rank asking for several regions of one key (a stacked layer's parameter: one per layer)

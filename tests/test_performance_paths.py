@@ -263,7 +263,7 @@ def _exchange_counts(rank: int, world: int, root: str) -> dict:
         for key in expected:
             assert tensors_bitwise_equal(loaded[key], expected[key]), (algo, key)
         counts[algo] = list(sent)
-    counts["copied"] = copied  # received tensors go into the request's through numpy's copy, not torch's
+    counts["copied"] = copied  # received tensors go into the request's through copy_in_this_thread
     return counts
 
 
@@ -420,7 +420,6 @@ def test_staging_buffers_belong_to_one_save_until_it_releases():
     assert pool.leased == 0 and len(pool._idle) == 2  # two were in flight at once: two sets kept
 
 
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_staging_copies_on_the_calling_thread_not_through_torch(monkeypatch, shared):
     """In a process with several intra-op threads the staging copy of CPU tensors is numpy's,
@@ -472,6 +471,7 @@ def test_copies_in_a_process_of_one_intra_op_thread_take_torch_for_contiguous_te
             copy_in_this_thread(strided[:, 24:72], source)
         assert torch_copies == ([(64, 48)] if threads == 1 else []), threads
         assert tensors_bitwise_equal(contiguous, source) and tensors_bitwise_equal(strided[:, 24:72], source)
+
 
 def _async_budget_saves(rank: int, world: int, root: str, writer: str) -> list:
     shapes = {f"t{i}": ((64, 256), torch.float32) for i in range(6)}  # 32 KiB per rank each
