@@ -9,7 +9,9 @@ Megatron-Core (when installed), on the same GPT-like state, in one run; and plai
 2 gloo ranks each hold their share of a tensor-parallel-split state (bf16 weights, fp32
 optimizer moments, replicated layernorms). One warm-up round is run and discarded (the first
 writes of a fresh VM are slow: the host faults in page-cache memory); then each repeat runs
-every tool in turn, in an order that rotates between repeats. Phases:
+every tool in turn, in an order that changes between repeats so that each tool takes each
+position, and comes right after each other tool, equally often (``turns.balanced_orders``: on
+this VM a cold load depends on the load before it). Phases:
 
   save            until durable (raw and torch.save fsync explicitly; the others themselves);
   load            same layout, cold page cache (fsync + posix_fadvise(DONTNEED) on every
@@ -27,7 +29,7 @@ every tool in turn, in an order that rotates between repeats. Phases:
                   cold depends on the file: raw I/O's file of the same tensors read 1.7-1.9x
                   slower than the checkpoint's, one thread each, in the same rounds, whichever
                   was written last), and on 2 ranks raw file I/O of the same state;
-                  --load-rounds rounds (20), the order rotating;
+                  --load-rounds rounds (24), in balanced orders as above;
   save_mem/load_mem   peak extra resident memory per rank during the phase (MiB, sampled
                   every millisecond: the process's RSS above its value before the phase);
   async_*         dist_ckpt's async save (cached metadata; --async-writer process, the default, or
@@ -87,6 +89,7 @@ from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter  
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy  # noqa: E402
 from placement_floor import PlacementFloor, planned_moves  # noqa: E402
 from readme_tables import README, machine_description, markdown_table, replace_section  # noqa: E402
+from turns import balanced_orders  # noqa: E402
 
 WORLD = 2
 Times = Dict[str, Dict[str, List[float]]]
@@ -270,9 +273,10 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, part
     state = model_state(size_mib, rank, world)
     tools = _tools(state, rank, world)
     names = list(tools)
+    orders = balanced_orders(len(names))
     times: Times = {}
     for r in range(repeat + 1 if "main" in parts else 0):  # round 0: warm-up, discarded
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = [names[i] for i in orders[r % len(orders)]]
         for name in order:
             save, load = tools[name]
             d = Path(root) / f"{name}-{r}"
@@ -570,8 +574,9 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
         loads.append((RAW_OF_CHECKPOINT, "load_same_2ranks", own,
                       lambda d: _raw_reader_of(sorted(d.glob(f"__{rank}_*.distcp")))))
     del state
+    orders = balanced_orders(len(loads))
     for r in range(repeat + 1):  # round 0: warm-up, discarded
-        for tool, phase, ckpt, load in loads[r % len(loads):] + loads[:r % len(loads)]:
+        for tool, phase, ckpt, load in (loads[i] for i in orders[r % len(orders)]):
             if rank == 0:
                 drop_page_cache(ckpt)
             seconds = _timed(load(ckpt))
@@ -914,13 +919,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=1084, help="total state over both ranks")
     parser.add_argument("--repeat", type=int, default=6,
-                        help="6 = one round per position for each of the 6 tools: the order rotates, and on this "
-                             "VM the first load of a round is up to 2x slower whoever makes it")
-    parser.add_argument("--load-rounds", type=int, default=20,
+                        help="6 = one round per position for each of the 6 tools, each right after each other "
+                             "tool once (turns.balanced_orders): on this VM the first load of a round is up to 2x "
+                             "slower whoever makes it, and a load depends on the one before it")
+    parser.add_argument("--load-rounds", type=int, default=24,
                         help="rounds of the loads that take turns (the resharded rows, their floors and, on 2 ranks, "
                              "raw I/O): a cold load on this VM is bimodal (in some rounds every tool reads 2x slower), "
-                             "so 6 rounds put dist_ckpt at 0.71-0.91 of raw I/O in three runs; 20 = 4 per position of "
-                             "the 5 loads on 2 ranks, 5 of the 4 on 4 ranks")
+                             "so 6 rounds put dist_ckpt at 0.71-0.91 of raw I/O in three runs; 24 = 4 balanced "
+                             "squares of the 6 loads on 2 ranks, 6 of the 4 on 4 ranks")
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
     parser.add_argument("--only", default="main,async,resharded,small,local,scaling", help="which parts to run")

@@ -370,6 +370,32 @@ def test_scale_simulation_writes_its_records(tmp_path):
     assert 0 < record["rank_manifest_part_bytes"] < record["manifest_bytes"] / 20
 
 
+
+@pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
+def test_the_benchmarks_take_turns_in_balanced_orders(count):
+    """``benchmarks/turns.py``: over its orders every tool takes every position, and comes
+    right after every other tool, equally often (a cold load on the benchmark's VM depends on
+    the load before it; a rotating cyclic order gave one tool the same predecessor every round)."""
+    import sys
+    from collections import Counter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from turns import balanced_orders
+    finally:
+        sys.path.pop(0)
+    orders = balanced_orders(count)
+    assert len(orders) == (count if count % 2 == 0 else 2 * count)
+    assert all(sorted(order) == list(range(count)) for order in orders)
+    follows = Counter((order[i], order[i + 1]) for order in orders for i in range(count - 1))
+    assert len(follows) == count * (count - 1) and set(follows.values()) == {1 if count % 2 == 0 else 2}
+    places = Counter((tool, i) for order in orders for i, tool in enumerate(order))
+    assert len(places) == count * count and len(set(places.values())) == 1
+    rotations = [list(range(count))[r:] + list(range(count))[:r] for r in range(count)]  # the old order
+    assert count == 2 or len({(o[i], o[i + 1]) for o in rotations for i in range(count - 1)}) < len(follows)
+    with pytest.raises(ValueError, match="at least one tool"):
+        balanced_orders(0)
+
 # -- async staging: reused buffers, memory budget ---------------------------------------------------
 
 
