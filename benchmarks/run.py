@@ -582,7 +582,9 @@ def _reshard_job(rank: int, world: int, root: str, size_mib: int, repeat: int, m
             seconds = _timed(load(ckpt))
             if r > 0:
                 _add(times, tool, phase, seconds)
-        if r == 0:  # both last loaded the other checkpoint: the floor must have moved every byte where dist_ckpt put it
+        if r == 0:  # the floor must move every byte of the other checkpoint where dist_ckpt's load puts it
+            ours(other)()  # (whatever each loaded last in this round's order; untimed)
+            floors[other].run()
             wrong = [k for k, (t, _) in targets.items() if not torch.equal(t, placed[k][0])]
             if wrong:
                 raise AssertionError(f"rank {rank}: the floor of {resharded} left {len(wrong)} tensors unlike dist_ckpt's "
