@@ -690,11 +690,13 @@ def _blob_reads(monkeypatch) -> dict:
 
 
 def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch):
-    """A large blob whose layout (length, dtype, chunk shape) the load has met already is read
-    front to back in one pass: no small reads of its ends first (each a round trip to the disk
-    on a cold cache). Tensors of the same byte length but another shape or dtype are located
-    anew; a blob that turns out to have another layout than the one predicted is read again
-    the careful way; damage anywhere in a blob read in one pass is reported."""
+    """A large blob whose layout (length, dtype, chunk shape) the load has met already, or our
+    writer's layout of its chunk when the blob has that length, is read front to back in one
+    pass: no small reads of its ends first (each a round trip to the disk on a cold cache).
+    Blobs of another writer (torch.save's records) are located from the first of each layout
+    (tensors of the same byte length but another shape or dtype anew); a blob that turns out to
+    have another layout than the one predicted is read again the careful way; damage anywhere
+    in a blob read in one pass is reported."""
     from dist_ckpt.core import CorruptCheckpointError
     from dist_ckpt.strategies.dcp import read
 
@@ -713,18 +715,23 @@ def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch
     counts = _blob_reads(monkeypatch)
     loaded = load()
     assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
-    assert counts["ends"] == 2 * 3, counts  # head and tail of the first blob of each of the 3 layouts
+    assert counts["ends"] == 0, counts  # every layout predicted from .metadata (our writer's blobs)
     assert counts["data"] == len(tensors), counts  # one call per blob (each under READ_PIECE bytes)
 
-    # a wrong prediction (the data 64 bytes further on): every blob predicted is read again, right
-    real_known = read._LayoutCache.known
-    monkeypatch.setattr(read._LayoutCache, "known", lambda self, length: [
-        read.StoredTensor(s.dtype, s.shape, s.data_offset + 64, s.nbytes) for s in real_known(self, length)])
+    # a wrong prediction (the data 64 bytes further on): every blob is read again, right
+    def shifted(stored):
+        return read.StoredTensor(stored.dtype, stored.shape, stored.data_offset + 64, stored.nbytes)
+
+    real_known, real_written = read._LayoutCache.known, read.written_layout
+    monkeypatch.setattr(read._LayoutCache, "known", lambda self, length: list(map(shifted, real_known(self, length))))
+    monkeypatch.setattr(read, "written_layout", lambda dtype, shape: (shifted(real_written(dtype, shape)[0]),
+                                                                      real_written(dtype, shape)[1]))
     counts.update(ends=0, data=0)
     loaded = load()
     assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
-    assert counts["data"] == len(tensors) + 5 and counts["ends"] == 2 * len(tensors), counts
+    assert counts["data"] == 2 * len(tensors) and counts["ends"] == 2 * len(tensors), counts
     monkeypatch.setattr(read._LayoutCache, "known", real_known)
+    monkeypatch.setattr(read, "written_layout", real_written)
 
     # the same through torch's dcp.load with our reader: DCP's planner, the chunks from .metadata
     import torch.distributed.checkpoint as dcp
@@ -735,6 +742,15 @@ def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch
     counts.update(ends=0, data=0)
     theirs = {k: torch.zeros_like(t) for k, t in tensors.items()}
     dcp.load(theirs, storage_reader=FileSystemReader(tmp_path / "dcp", thread_count=1))
+    assert all(tensors_bitwise_equal(theirs[k], t) for k, t in tensors.items())
+    assert counts["ends"] == 0 and counts["data"] == len(tensors), counts
+
+    # torch's own writer (torch.save's blobs, longer than ours): the first blob of each of the 3
+    # layouts is located from its ends, the others predicted from it
+    dcp.save(dict(tensors), storage_writer=dcp.FileSystemWriter(tmp_path / "torch"))
+    counts.update(ends=0, data=0)
+    theirs = {k: torch.zeros_like(t) for k, t in tensors.items()}
+    dcp.load(theirs, storage_reader=FileSystemReader(tmp_path / "torch", thread_count=1))
     assert all(tensors_bitwise_equal(theirs[k], t) for k, t in tensors.items())
     assert counts["ends"] == 2 * 3 and counts["data"] == len(tensors), counts
 

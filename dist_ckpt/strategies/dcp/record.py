@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import math
 import pickle
 import struct
 import warnings
@@ -34,7 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["StoredTensor", "write_tensor_record", "locate_tensor_data", "layout_signature", "tensor_bytes"]
+__all__ = ["StoredTensor", "write_tensor_record", "written_layout", "locate_tensor_data", "layout_signature",
+           "tensor_bytes"]
 
 ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
@@ -237,6 +239,16 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> _La
     data_entry = next(i for i, r in enumerate(records) if r.name == _DATA_NAME)
     suffix_crc_at = len(after) + entry_at[data_entry] + _CENTRAL_CRC_AT
     return _Layout(bytes(before), bytes(after + directory), prefix_crc_at, suffix_crc_at)
+
+
+def written_layout(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple["StoredTensor", int]:
+    """Where ``write_tensor_record`` puts the bytes of a tensor of ``dtype`` and ``shape``, and
+    the length of the blob it writes: a reader can predict a blob's layout from ``.metadata``
+    alone (and must check it against the blob's bytes once read: another writer, or another
+    torch, may lay out a blob of the same length otherwise)."""
+    layout = _layout(dtype, tuple(shape), ZIP64_LIMIT)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return StoredTensor(dtype, tuple(shape), len(layout.prefix), nbytes), len(layout.prefix) + nbytes + len(layout.suffix)
 
 
 def _with_crc(template: bytes, at: int, crc: int) -> bytes:
