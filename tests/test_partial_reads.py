@@ -62,26 +62,31 @@ def saved(tmp_path_factory) -> Path:
 
 def _load_counting(rank: int, world: int, ckpt: str, verify: bool) -> dict:
     """Load "rows" on ``world`` ranks; the data bytes this rank read (``os.preadv``: the
-    reader's data reads; a blob's ends are read with ``os.pread``), and whether all match."""
+    reader's data reads), how many small reads of a blob's ends it made (``os.pread``), and
+    whether all match."""
     import os
 
-    counted = {"bytes": 0}
-    original = os.preadv
+    counted = {"bytes": 0, "ends": 0}
+    original, original_pread = os.preadv, os.pread
 
     def counting(fd, views, offset):
         got = original(fd, views, offset)
         counted["bytes"] += got
         return got
 
-    os.preadv = counting
+    def counting_ends(fd, length, offset):
+        counted["ends"] += 1
+        return original_pread(fd, length, offset)
+
+    os.preadv, os.pread = counting, counting_ends
     try:
         loaded = dist_ckpt.load(_rows_request(rank, world, False), ckpt, verify_checksums=verify)
     except CorruptCheckpointError as e:
-        return {"error": str(e), "bytes": counted["bytes"]}
+        return {"error": str(e), **counted}
     finally:
-        os.preadv = original
+        os.preadv, os.pread = original, original_pread
     expected = _rows_request(rank, world, True)["rows"].data
-    return {"ok": tensors_bitwise_equal(loaded["rows"], expected), "bytes": counted["bytes"]}
+    return {"ok": tensors_bitwise_equal(loaded["rows"], expected), **counted}
 
 
 def test_the_writer_records_block_hashes_of_large_tensors(saved):
@@ -167,15 +172,17 @@ def test_malformed_block_hashes_are_refused(saved, tmp_path):
 
 def test_a_resharded_load_reads_and_verifies_only_its_blocks(saved):
     """4 ranks load the 2 ranks' chunks: each needs half of one chunk (8 of its 16 blocks) and
-    reads 8 MiB instead of 16, bit-exactly; unverified, the exact half. Same layout: the whole
-    blob in one pass (its layout predicted from ``.metadata``: no separate reads of its ends)."""
+    reads 8 MiB instead of 16, bit-exactly; unverified, the exact half. Verified, where the data
+    lies comes from ``.metadata`` and the manifest (no reads of the blob's ends); unverified,
+    from the blob's ends (two small reads). Same layout: the whole blob in one pass (its layout
+    predicted from ``.metadata``, checked once read: no separate reads of its ends)."""
     half = CHUNK_BYTES // 2
-    for verify in (True, False):
+    for verify, ends in ((True, 0), (False, 2)):
         results = run_distributed(_load_counting, 4, str(saved), verify)
         assert [r.get("ok") for r in results] == [True] * 4, results
-        assert [r["bytes"] for r in results] == [half] * 4
+        assert [(r["bytes"], r["ends"]) for r in results] == [(half, ends)] * 4, results
     results = run_distributed(_load_counting, SAVED_WORLD, str(saved), True)
-    assert [(r.get("ok"), r["bytes"]) for r in results] == [(True, _blob_length(saved))] * SAVED_WORLD
+    assert [(r.get("ok"), r["bytes"], r["ends"]) for r in results] == [(True, _blob_length(saved), 0)] * SAVED_WORLD
 
 
 def _blob_length(saved: Path) -> int:
@@ -222,16 +229,39 @@ def _load_counting_strict(rank: int, world: int, ckpt: str) -> dict:
     return result
 
 
-def test_a_damaged_header_is_refused_by_a_partial_read(saved, tmp_path):
-    """A flipped byte in the chunk's zip header, which a partial read takes from the blob's
-    first bytes (not from a data block): the load fails on every rank (ranks exchange their
-    errors), naming the file and the header's bytes."""
+def test_a_damaged_header_is_found_by_whatever_reads_it(saved, tmp_path):
+    """A flipped byte in the chunk's zip header (not in a data block). A partial read whose
+    layout comes from ``.metadata`` and the manifest uses nothing of the header and does not
+    read it: it loads its part bit-exactly. Whatever does read the header refuses it, naming
+    the file and the header's bytes: the same-layout load (the whole blob, on every rank: ranks
+    exchange their errors), ``validate`` and a partial read that locates the blob from its ends
+    (next test)."""
+    from dist_ckpt.tools.check import validate_checkpoint
+
     damaged = _damaged_copy(saved, tmp_path / "damaged_header", "header")
     results = run_distributed(_load_counting, 4, str(damaged), True)
+    assert [(r.get("ok"), r["ends"]) for r in results] == [(True, 0)] * 4, results
+    results = run_distributed(_load_counting, SAVED_WORLD, str(damaged), True)
     assert all("error" in r for r in results), results
     assert all(r["error"] == results[0]["error"] for r in results), results
-    assert "__0_0.distcp: checksum mismatch for 'rows' at bytes [0, " in results[0]["error"], results
+    assert "__0_0.distcp: checksum mismatch for 'rows' at bytes [" in results[0]["error"], results
+    report = validate_checkpoint(damaged)
+    assert not report.ok and any("__0_0.distcp" in p and "checksum" in p for p in report.problems), report.problems
 
+
+def test_a_partial_read_that_locates_the_blob_from_its_ends_refuses_a_damaged_header(saved, tmp_path, monkeypatch):
+    """A blob whose layout the reader cannot predict (not our writer's length for its chunk:
+    here the prediction is switched off) is located from its first and last bytes, which a
+    partial read then checks against their hashes: a flipped byte in the header is refused,
+    naming the file and the header's bytes; the pristine blob loads its part bit-exactly."""
+    from dist_ckpt.strategies.dcp import read
+
+    damaged = _damaged_copy(saved, tmp_path / "damaged_header", "header")
+    monkeypatch.setattr(read, "written_layout", lambda dtype, shape: (None, -1))  # no blob has length -1
+    with pytest.raises(CorruptCheckpointError, match=r"__0_0\.distcp: checksum mismatch for 'rows' at bytes \[0, "):
+        dist_ckpt.load(_rows_request(1, 4, False), damaged, validate_access_integrity=False)
+    loaded = dist_ckpt.load(_rows_request(1, 4, False), saved, validate_access_integrity=False)
+    assert tensors_bitwise_equal(loaded["rows"], _rows_request(1, 4, True)["rows"].data)
 
 def test_a_manifest_without_block_hashes_reads_chunks_whole(saved, tmp_path):
     """A checkpoint whose manifest has no block hashes (version 2, as dist_ckpt wrote before)

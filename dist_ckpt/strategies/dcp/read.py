@@ -192,8 +192,13 @@ class _GroupReader:
 
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
         predicted = self._predicted_layout(group)
-        if predicted is not None and self._read_in_one_pass(lane, fd, group, entry, predicted, what):
-            return
+        if predicted is not None:
+            span = self._recorded_part(group, predicted, entry)
+            if span is not None:
+                self._read_partial(lane, fd, group, predicted, entry, None, None, span, what)
+                return
+            if self._read_in_one_pass(lane, fd, group, entry, predicted, what):
+                return
         path = self._path(group.file)
         edge = min(_HEAD, group.length)
         head = os.pread(fd, edge, group.offset)
@@ -257,6 +262,29 @@ class _GroupReader:
             self._chunks[fqn] = chunks
         offset = item.storage_index.offset
         return None if offset is None else chunks.get(tuple(offset))
+
+    def _recorded_part(self, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
+                       ) -> Optional[Tuple[int, int]]:
+        """The span of the data to read (``_partial_span``) when the group needs only a part of it
+        and the manifest recorded where the data of this blob lies, as ``stored`` predicts it
+        (the layout the blob was written with: its length, data offset and data length); None
+        otherwise (the blob's ends are read first, the careful way).
+
+        Why: a part is read in blocks, each checked against its hash. With the layout taken from
+        ``.metadata`` (checked against the manifest when read) and the manifest, nothing of the
+        blob's header or trailer is used, so neither is read: two small reads per blob, which
+        on a cold cache wait behind the other threads' large reads (a 2 -> 4 load of 2 ranks'
+        1 GiB: 200 such reads per rank, p90 31 ms each, 1.46 s of its 8 threads' time per load).
+        ``dist-ckpt validate`` checks every byte of a checkpoint, these included."""
+        if entry is None or entry.blocks is None:
+            return None
+        blocks = entry.blocks
+        if (entry.length != group.length or blocks.data_start != stored.data_offset
+                or blocks.data_length != stored.nbytes):
+            return None
+        if self._destination(group, stored).whole:
+            return None
+        return self._partial_span(group, stored, entry)
 
     def _read_in_one_pass(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry],
                           stored: StoredTensor, what: str) -> bool:
@@ -353,11 +381,13 @@ class _GroupReader:
         return None if end - start >= stored.nbytes else (start, end)
 
     def _read_partial(self, lane: _Lane, fd: int, group: ItemGroup, stored: StoredTensor,
-                      entry: Optional[ManifestEntry], head: bytes, tail: bytes, span: Tuple[int, int],
-                      what: str) -> None:
+                      entry: Optional[ManifestEntry], head: Optional[bytes], tail: Optional[bytes],
+                      span: Tuple[int, int], what: str) -> None:
         """Read only ``span`` of the stored data (into its place in a chunk-sized scratch
         buffer, whose other pages are never touched), each block checked against its hash,
-        and the blob's bytes around the data (read already) against theirs; then scatter."""
+        and the blob's bytes around the data against theirs when they were read (``head`` and
+        ``tail``: its ends, from which its layout was located; None when it came from the
+        manifest, ``_recorded_part``); then scatter."""
         path = self._path(group.file)
         start, end = span
         data_at = group.offset + stored.data_offset
@@ -409,7 +439,7 @@ class _GroupReader:
         return first, end, tensor_bytes(target), target
 
     def _read_rows_in_place(self, fd: int, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry],
-                            head: bytes, tail: bytes, span: Tuple[int, int],
+                            head: Optional[bytes], tail: Optional[bytes], span: Tuple[int, int],
                             rows: Tuple[int, int, memoryview, Optional[torch.Tensor]], what: str) -> None:
         """``_read_partial`` for a run of whole rows: the rows straight into their destination,
         the rest of the span's first and last blocks (when the rows do not start and end on a
@@ -436,10 +466,10 @@ class _GroupReader:
         if target is not None:
             self.planner.commit_tensor(group.items[0], target)
 
-    def _checked_blocks(self, group: ItemGroup, stored: StoredTensor, entry: ManifestEntry, head: bytes, tail: bytes,
-                        path: Path, what: str) -> BlockHashes:
-        """The entry's block hashes, once the blob's layout and its bytes around the data (read
-        already) are checked against them."""
+    def _checked_blocks(self, group: ItemGroup, stored: StoredTensor, entry: ManifestEntry, head: Optional[bytes],
+                        tail: Optional[bytes], path: Path, what: str) -> BlockHashes:
+        """The entry's block hashes, once the blob's layout and its bytes around the data (when
+        read: ``head`` and ``tail``) are checked against them."""
         blocks = cast(BlockHashes, entry.blocks)
         if (entry.length != group.length or blocks.data_start != stored.data_offset
                 or blocks.data_length != stored.nbytes):
@@ -448,6 +478,8 @@ class _GroupReader:
                 f"layout {MANIFEST_FNAME} recorded for it (its data at {stored.data_offset}, {stored.nbytes} "
                 f"bytes); the file is damaged"
             )
+        if head is None or tail is None:  # the layout came from the manifest: nothing of the ends is used
+            return blocks
         tail_start = group.length - len(tail)
         segments = [(0, memoryview(head)[: stored.data_offset], blocks.hashes[0]),
                     (stored.data_offset + stored.nbytes,
