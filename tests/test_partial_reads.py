@@ -263,6 +263,7 @@ def test_a_partial_read_that_locates_the_blob_from_its_ends_refuses_a_damaged_he
     loaded = dist_ckpt.load(_rows_request(1, 4, False), saved, validate_access_integrity=False)
     assert tensors_bitwise_equal(loaded["rows"], _rows_request(1, 4, True)["rows"].data)
 
+
 def test_a_manifest_without_block_hashes_reads_chunks_whole(saved, tmp_path):
     """A checkpoint whose manifest has no block hashes (version 2, as dist_ckpt wrote before)
     loads resharded bit-exactly, each rank reading and verifying whole chunks (whole blobs, in one

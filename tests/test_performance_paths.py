@@ -370,7 +370,6 @@ def test_scale_simulation_writes_its_records(tmp_path):
     assert 0 < record["rank_manifest_part_bytes"] < record["manifest_bytes"] / 20
 
 
-
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
 def test_the_benchmarks_take_turns_in_balanced_orders(count):
     """``benchmarks/turns.py``: over its orders every tool takes every position, and comes
@@ -395,6 +394,7 @@ def test_the_benchmarks_take_turns_in_balanced_orders(count):
     assert count == 2 or len({(o[i], o[i + 1]) for o in rotations for i in range(count - 1)}) < len(follows)
     with pytest.raises(ValueError, match="at least one tool"):
         balanced_orders(0)
+
 
 # -- async staging: reused buffers, memory budget ---------------------------------------------------
 
