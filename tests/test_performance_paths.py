@@ -698,7 +698,7 @@ def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch
     have another layout than the one predicted is read again the careful way; damage anywhere
     in a blob read in one pass is reported."""
     from dist_ckpt.core import CorruptCheckpointError
-    from dist_ckpt.strategies.dcp import read
+    from dist_ckpt.strategies.dcp import read, record
 
     gen = torch.Generator().manual_seed(7)
     tensors = {f"w{i}": torch.randn(600, 1000, generator=gen) for i in range(5)}
@@ -722,15 +722,15 @@ def test_blobs_of_a_layout_met_before_are_read_in_one_pass(tmp_path, monkeypatch
     def shifted(stored):
         return read.StoredTensor(stored.dtype, stored.shape, stored.data_offset + 64, stored.nbytes)
 
-    real_known, real_written = read._LayoutCache.known, read.written_layout
-    monkeypatch.setattr(read._LayoutCache, "known", lambda self, length: list(map(shifted, real_known(self, length))))
+    real_known, real_written = record.LayoutCache.known, read.written_layout
+    monkeypatch.setattr(record.LayoutCache, "known", lambda self, length: list(map(shifted, real_known(self, length))))
     monkeypatch.setattr(read, "written_layout", lambda dtype, shape: (shifted(real_written(dtype, shape)[0]),
                                                                       real_written(dtype, shape)[1]))
     counts.update(ends=0, data=0)
     loaded = load()
     assert all(tensors_bitwise_equal(loaded[k], t) for k, t in tensors.items())
     assert counts["data"] == 2 * len(tensors) and counts["ends"] == 2 * len(tensors), counts
-    monkeypatch.setattr(read._LayoutCache, "known", real_known)
+    monkeypatch.setattr(record.LayoutCache, "known", real_known)
     monkeypatch.setattr(read, "written_layout", real_written)
 
     # the same through torch's dcp.load with our reader: DCP's planner, the chunks from .metadata

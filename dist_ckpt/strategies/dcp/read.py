@@ -63,7 +63,7 @@ from .chunk_copy import copy_in_this_thread, copy_region, needed_span
 from .destinations import Into, Prepared, fill, resolved_into
 from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _ScratchPool
 from .read_schedule import BYTES_PER_THREAD, ONE_PASS_MIN, SMALL_LOAD_THREADS, StealingLanes, split_lanes
-from .record import StoredTensor, layout_signature, locate_tensor_data, tensor_bytes, written_layout
+from .record import LayoutCache, StoredTensor, tensor_bytes, written_layout
 
 __all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
            "READ_THREADS", "SCRATCH_BUDGET", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD",
@@ -84,34 +84,10 @@ ROWS_MIN_BYTES = 64 << 10
 Fallback = Callable[[ItemGroup, bytes], None]
 
 
-class _LayoutCache:
-    """Blobs of one load mostly share a few layouts (same dtype and shape, same writer): a
-    blob whose bytes up to its tensor data equal those of a blob already located in full
-    (the data's CRC field aside) has the same layout, found by one comparison."""
-
-    def __init__(self) -> None:
-        self._known: Dict[Tuple[int, bytes], StoredTensor] = {}
-        self._lock = threading.Lock()
-
-    def known(self, length: int) -> List[StoredTensor]:
-        """The layouts located so far of blobs ``length`` bytes long."""
-        return [stored for (known_length, _), stored in list(self._known.items()) if known_length == length]
-
-    def locate(self, head: memoryview, tail: memoryview, length: int) -> Optional[StoredTensor]:
-        for (known_length, signature), known in list(self._known.items()):
-            if known_length == length and len(head) >= len(signature) and layout_signature(head, known) == signature:
-                return known
-        stored = locate_tensor_data(head, tail, length)
-        if stored is not None and stored.data_offset <= len(head) and len(self._known) < 64:
-            with self._lock:
-                self._known[(length, layout_signature(head, stored))] = stored
-        return stored
-
-
 class _GroupReader:
     def __init__(self, root: Path, planner: LoadPlanner, manifest: Optional[Manifest], fallback: Fallback) -> None:
         self.root, self.planner, self.manifest, self.fallback = root, planner, manifest, fallback
-        self.layouts = _LayoutCache()
+        self.layouts = LayoutCache()
         self._chunks: Dict[str, Dict[Tuple[int, ...], Tuple[Tuple[int, ...], torch.dtype]]] = {}
         self._paths: Dict[str, Path] = {}
         self._prepared: Dict[int, Prepared] = {}  # by id() of the group, filled before the threads start
@@ -193,11 +169,12 @@ class _GroupReader:
     def _read_large(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry], what: str) -> None:
         predicted = self._predicted_layout(group)
         if predicted is not None:
-            span = self._recorded_part(group, predicted, entry)
+            into = self._destination(group, predicted)
+            span = None if into.whole else self._recorded_part(group, predicted, entry)
             if span is not None:
                 self._read_partial(lane, fd, group, predicted, entry, None, None, span, what)
                 return
-            if self._read_in_one_pass(lane, fd, group, entry, predicted, what):
+            if self._read_in_one_pass(lane, fd, group, entry, predicted, into, what):
                 return
         path = self._path(group.file)
         edge = min(_HEAD, group.length)
@@ -265,8 +242,8 @@ class _GroupReader:
 
     def _recorded_part(self, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
                        ) -> Optional[Tuple[int, int]]:
-        """The span of the data to read (``_partial_span``) when the group needs only a part of it
-        and the manifest recorded where the data of this blob lies, as ``stored`` predicts it
+        """The span of the data to read (``_partial_span``) when the group, whose destination does
+        not take the whole chunk, needs only a part of it and the manifest recorded where the data of this blob lies, as ``stored`` predicts it
         (the layout the blob was written with: its length, data offset and data length); None
         otherwise (the blob's ends are read first, the careful way).
 
@@ -282,12 +259,10 @@ class _GroupReader:
         if (entry.length != group.length or blocks.data_start != stored.data_offset
                 or blocks.data_length != stored.nbytes):
             return None
-        if self._destination(group, stored).whole:
-            return None
         return self._partial_span(group, stored, entry)
 
     def _read_in_one_pass(self, lane: _Lane, fd: int, group: ItemGroup, entry: Optional[ManifestEntry],
-                          stored: StoredTensor, what: str) -> bool:
+                          stored: StoredTensor, into: Into, what: str) -> bool:
         """Read the blob of a layout met before in one pass front to back: its bytes before the
         data into a small buffer, the data straight into its destination (or the scratch
         buffer), the bytes after into another; then check that the blob does have that layout.
@@ -296,7 +271,6 @@ class _GroupReader:
         with a read of each piece's first and last 4 KiB before it; either one alone cost nothing). False,
         having read for nothing, when the blob turns out to have another layout, or when only a
         part of its data is needed (the caller then reads it the careful way)."""
-        into = self._destination(group, stored)
         if not into.whole and self._partial_span(group, stored, entry) is not None:
             return False
         path = self._path(group.file)

@@ -28,6 +28,7 @@ import io
 import math
 import pickle
 import struct
+import threading
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["StoredTensor", "write_tensor_record", "written_layout", "locate_tensor_data", "layout_signature",
-           "tensor_bytes"]
+           "LayoutCache", "tensor_bytes"]
 
 ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
@@ -499,3 +500,27 @@ def layout_signature(head: memoryview, stored: StoredTensor) -> bytes:
     if header >= 0:
         prefix[header + _LOCAL_CRC_AT : header + _LOCAL_CRC_AT + 4] = bytes(4)
     return bytes(prefix)
+
+
+class LayoutCache:
+    """Blobs of one load mostly share a few layouts (same dtype and shape, same writer): a
+    blob whose bytes up to its tensor data equal those of a blob already located in full
+    (the data's CRC field aside) has the same layout, found by one comparison."""
+
+    def __init__(self) -> None:
+        self._known: Dict[Tuple[int, bytes], StoredTensor] = {}
+        self._lock = threading.Lock()
+
+    def known(self, length: int) -> List[StoredTensor]:
+        """The layouts located so far of blobs ``length`` bytes long."""
+        return [stored for (known_length, _), stored in list(self._known.items()) if known_length == length]
+
+    def locate(self, head: memoryview, tail: memoryview, length: int) -> Optional[StoredTensor]:
+        for (known_length, signature), known in list(self._known.items()):
+            if known_length == length and len(head) >= len(signature) and layout_signature(head, known) == signature:
+                return known
+        stored = locate_tensor_data(head, tail, length)
+        if stored is not None and stored.data_offset <= len(head) and len(self._known) < 64:
+            with self._lock:
+                self._known[(length, layout_signature(head, stored))] = stored
+        return stored
