@@ -290,7 +290,8 @@ def test_the_demo_ends_with_its_ranks_on_a_signal(tmp_path: Path, sig, to_group,
 def test_a_command_started_ignoring_ctrl_c_keeps_ignoring_it() -> None:
     """``nohup dist-ckpt ...`` or a shell's background job starts with SIGINT ignored: a Ctrl-C
     during the command's import (0.5 s in) used to end it with "interrupted" (130) all the same."""
-    ignoring = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
     proc = subprocess.Popen([sys.executable, "-c", ignoring] + SCRIPT + ["strategies"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)

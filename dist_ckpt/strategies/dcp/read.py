@@ -243,9 +243,10 @@ class _GroupReader:
     def _recorded_part(self, group: ItemGroup, stored: StoredTensor, entry: Optional[ManifestEntry]
                        ) -> Optional[Tuple[int, int]]:
         """The span of the data to read (``_partial_span``) when the group, whose destination does
-        not take the whole chunk, needs only a part of it and the manifest recorded where the data of this blob lies, as ``stored`` predicts it
-        (the layout the blob was written with: its length, data offset and data length); None
-        otherwise (the blob's ends are read first, the careful way).
+        not take the whole chunk, needs only a part of it and the manifest recorded where the data
+        of this blob lies, as ``stored`` predicts it (the layout the blob was written with: its
+        length, data offset and data length); None otherwise (the blob's ends are read first, the
+        careful way).
 
         Why: a part is read in blocks, each checked against its hash. With the layout taken from
         ``.metadata`` (checked against the manifest when read) and the manifest, nothing of the
