@@ -370,6 +370,31 @@ def test_scale_simulation_writes_its_records(tmp_path):
     assert 0 < record["rank_manifest_part_bytes"] < record["manifest_bytes"] / 20
 
 
+def test_the_file_history_benchmark_reads_new_files_each_fresh_round_and_the_same_when_settled(tmp_path):
+    """benchmarks/file_history.py: in its ``fresh`` design every timed round reads files written
+    just before it (dist_ckpt's and raw I/O's), in ``settled`` every round of a block the files
+    written once for the block; each design's rounds time all four loads (a 2-rank state of
+    20 MiB here: seconds)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "history.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "file_history.py"
+    run = subprocess.run([sys.executable, str(script), "--rounds", "2", "--blocks", "2", "--size-mib", "8",
+                          "--dir", str(tmp_path), "--json", str(out)], timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["versions"] == {"fresh": 2, "settled": 1}
+    for design in ("fresh", "settled"):
+        assert sorted(result["times"][design]) == sorted(["dist_ckpt", "floor", "raw", "raw, its files"])
+        assert all(len(v) == 2 and min(v) > 0 for v in result["times"][design].values()), result["times"]
+        assert f"{design} (2 rounds): dist_ckpt " in run.stdout
+    assert [line.split(":")[0] for line in result["extents"]] == ["__0_0.distcp", "__1_0.distcp", "rank0.bin",
+                                                                  "rank1.bin"]
+    assert not list(tmp_path.glob("dist_ckpt_file_history_*")), "the benchmark's files were left behind"
+
+
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
 def test_the_benchmarks_take_turns_in_balanced_orders(count):
     """``benchmarks/turns.py``: over its orders every tool takes every position, and comes
