@@ -34,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -76,7 +76,7 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
         time.sleep(0.5)
         dist.barrier()
 
-    def loads() -> List[Tuple[str, Callable[[], object], Path]]:  # made before the timing
+    def loads() -> List[Tuple[str, Callable[[], Any], Path]]:  # made before the timing
         floor = PlacementFloor(planned_moves(own, placed, rank, world), READ_THREADS)
         request = _sharded(targets, rank, world)
         return [("dist_ckpt", lambda: dist_ckpt.load(request, own), own), ("floor", floor.run, own),
