@@ -198,7 +198,7 @@ def load_common_state_dict(checkpoint_dir: PathLike, *, verify_checksums: bool =
                            storage_options: Optional[dict] = None) -> StateDict:
     """The common (non-sharded) part of a checkpoint; no process group needed."""
     checkpoint_dir = localize(checkpoint_dir, storage_options)
-    with verification(verify_checksums):
+    with verification(verify_checksums), gc_paused():
         _, common = verify_checkpoint_and_load_strategy(checkpoint_dir)
         return common.load_common(checkpoint_dir)
 
@@ -209,8 +209,9 @@ def load_tensors_metadata(
 ) -> ShardedStateDict:
     """Every stored tensor as an unsharded ShardedTensor without data (global shape, dtype)."""
     checkpoint_dir = localize(checkpoint_dir, storage_options)
-    sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
-    return sharded.load_tensors_metadata(checkpoint_dir)
+    with gc_paused():  # one object per tensor (as save and load: see gc_paused)
+        sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy)
+        return sharded.load_tensors_metadata(checkpoint_dir)
 
 
 def load_sharded_metadata(
@@ -222,15 +223,16 @@ def load_sharded_metadata(
 ) -> ShardedStateDict:
     """Tensors (as ``load_tensors_metadata``) and ShardedObjects (by unique key), no data."""
     checkpoint_dir = localize(checkpoint_dir, storage_options)
-    sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
-    return load_sharded_metadata_with(Path(checkpoint_dir), sharded, common)
+    with gc_paused():
+        sharded, common = verify_checkpoint_and_load_strategy(checkpoint_dir, sharded_strategy, common_strategy)
+        return load_sharded_metadata_with(Path(checkpoint_dir), sharded, common)
 
 
 def load_plain_tensors(checkpoint_dir: PathLike, *, verify_checksums: bool = True,
                        storage_options: Optional[dict] = None) -> StateDict:
     """Every stored tensor, whole, on CPU, in this process alone (no process group needed)."""
     checkpoint_dir = localize(checkpoint_dir, storage_options)
-    with verification(verify_checksums):
+    with verification(verify_checksums), gc_paused():
         sharded, _ = verify_checkpoint_and_load_strategy(checkpoint_dir)
         request = sharded.load_tensors_metadata(Path(checkpoint_dir))
         return sharded.load(request, Path(checkpoint_dir))

@@ -9,13 +9,13 @@ ports by changing the import.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .core import ShardingError
+from .runtime.gc_pause import gc_paused  # re-exported: callers import it from here too
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -188,23 +188,6 @@ def debug_msg(msg: str) -> None:
     """Log ``msg`` at DEBUG, prefixed with the current ``logger_stack`` names."""
     with logger_stack(None, None) as (stacked_name, active):
         active.debug("%s %s", stacked_name, msg)
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside the block (restored after, as it was).
-
-    A training process holds hundreds of thousands of objects (torch, the model, the data
-    pipeline); a full collection triggered by the many small objects a save or load makes
-    costs 0.1-0.4 s on this machine - as much as the whole blocking part of an asynchronous
-    save. Collection is deferred to the training loop, not skipped."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 # -- Megatron-Core's private helpers that Megatron-LM and its tests import by these names ----------

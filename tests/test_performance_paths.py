@@ -654,6 +654,91 @@ def test_direct_reader_round_trip_and_damage(tmp_path, n, size):
                        tmp_path / "c")
 
 
+@pytest.fixture
+def collections_started():
+    """The generations of the cyclic garbage collections that start while the test runs. A
+    collection deferred by ``gc_paused`` starts at the first allocation after it, which may
+    still be inside the call: a paused call shows at most that one."""
+    import gc
+
+    started: list = []
+
+    def record(phase, info):
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(record)
+    try:
+        yield started
+    finally:
+        gc.callbacks.remove(record)
+
+
+def test_the_metadata_calls_collect_no_garbage_and_leave_the_collector_as_it_was(tmp_path, collections_started):
+    """``load_tensors_metadata``, ``load_sharded_metadata``, ``load_common_state_dict`` and
+    ``load_plain_tensors`` make one object or more per tensor, as save and load do: no cyclic
+    garbage collection while they run (``gc_paused``; 20,000 tensors per rank,
+    ``load_tensors_metadata`` in a process holding 300,000 objects: 1.17 s before, 0.74 s), and
+    the collector left as it was, also when the call fails."""
+    import gc
+
+    from dist_ckpt.core import CheckpointNotFoundError
+
+    tensors = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    dist_ckpt.save({**{k: ShardedTensor.from_rank_offsets(k, t) for k, t in tensors.items()}, "step": 7}, tmp_path / "c")
+    results = {}
+    for call in (dist_ckpt.load_tensors_metadata, dist_ckpt.load_sharded_metadata, dist_ckpt.load_common_state_dict,
+                 dist_ckpt.load_plain_tensors):
+        assert gc.isenabled()
+        collections_started.clear()
+        results[call.__name__] = call(tmp_path / "c")
+        assert len(collections_started) <= 1, f"{call.__name__}: collections of generations {collections_started}"
+        assert gc.isenabled(), call.__name__
+    assert len(results["load_tensors_metadata"]) == len(results["load_sharded_metadata"]) == 3000
+    assert results["load_common_state_dict"] == {"step": 7}
+    assert all(tensors_bitwise_equal(results["load_plain_tensors"][k], t) for k, t in tensors.items())
+    with pytest.raises(CheckpointNotFoundError):
+        dist_ckpt.load_tensors_metadata(tmp_path / "missing")
+    assert gc.isenabled()
+    gc.disable()  # a caller that runs without the collector keeps it off
+    try:
+        dist_ckpt.load_tensors_metadata(tmp_path / "c")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_unpickling_and_parsing_a_manifest_collect_no_garbage(collections_started):
+    """Index files are unpickled (``safe_pickle_load``) and manifests parsed without cyclic
+    garbage collection wherever they are read (the CLI, a manager), not only inside the public
+    calls: the ``.metadata`` of 40,000 chunks unpickled in 0.77 s with collection, 0.16 s
+    without. The collector is back on after, also when the file is refused."""
+    import gc
+    import io
+    import json
+
+    from dist_ckpt.core import CorruptCheckpointError, UnsafePickleError
+    from dist_ckpt.integrity.manifest import HASH_ALGORITHM, MANIFEST_FORMAT, parse_manifest
+    from dist_ckpt.integrity.safe_unpickle import safe_pickle_load
+
+    many = [{"offsets": (i,), "sizes": [4]} for i in range(20_000)]
+    pickled = pickle.dumps(many)
+    raw = json.dumps({"format": MANIFEST_FORMAT, "version": 2, "hash": HASH_ALGORITHM,
+                      "entries": [[f"__0_{i}.distcp", 0, 4, "0" * 16, f"t{i}"] for i in range(20_000)]}).encode()
+    collections_started.clear()
+    assert safe_pickle_load(io.BytesIO(pickled), "test", {}) == many
+    assert len(collections_started) <= 1, collections_started
+    collections_started.clear()
+    assert len(parse_manifest(raw, "test").entries) == 20_000
+    assert len(collections_started) <= 1, collections_started
+    with pytest.raises(UnsafePickleError):
+        safe_pickle_load(io.BytesIO(pickle.dumps(os.getcwd)), "test", {})
+    with pytest.raises(CorruptCheckpointError):
+        parse_manifest(b"{", "test")
+    assert gc.isenabled()
+
+
 def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, monkeypatch):
     """Every item of a ``.distcp`` file starts at a multiple of ``ITEM_ALIGNMENT`` bytes, and so
     does a tensor's data (torch's zip format aligns it within the item): the kernel copies a

@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from ..core import CorruptCheckpointError
 from ..runtime.durable import atomic_write_bytes
 from ..runtime.file_cache import ParsedFileCache
+from ..runtime.gc_pause import gc_paused
 from .recording import (  # the writing side, re-exported: callers import them from here too
     HASH_ALGORITHM,
     BlockHashes,
@@ -238,6 +239,7 @@ def _block_hashes(raw: Any, length: int) -> Optional[BlockHashes]:
 _HEX = frozenset("0123456789abcdef")
 
 
+@gc_paused()  # a manifest of many items is many small objects (as an index: gc_paused)
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Parse manifest bytes strictly; anything malformed is a ``CorruptCheckpointError``."""
     if len(raw) > _MAX_MANIFEST_BYTES:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..core import CorruptCheckpointError, UnsafePickleError
+from ..runtime.gc_pause import gc_paused
 
 __all__ = [
     "add_safe_globals",
@@ -315,12 +316,14 @@ def globals_by_name(entries: Iterable[Any]) -> Dict[str, Any]:
     return named
 
 
+@gc_paused()
 def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any],
                      persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
     """``pickle.load`` that resolves only the globals in ``allowed`` (full name -> object) and
     those of ``add_safe_globals``; ``what`` names the file in errors. Nothing else is imported
     or called. ``persistent_load`` resolves the pickle's persistent ids (e.g. tensors stored
-    beside it)."""
+    beside it). Without garbage collection while it runs (``gc_paused``: an index of many
+    chunks is hundreds of thousands of small objects)."""
     if is_trusted_unpickling():
         unpickler = pickle.Unpickler(file)
         if persistent_load is not None:
