@@ -15,7 +15,6 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .core import ShardingError
-from .runtime.gc_pause import gc_paused  # re-exported: callers import it from here too
 from .dict_utils import dict_list_map_inplace, extract_matching_values, nested_values
 from .mapping import (
     LocalNonpersistentObject,
@@ -26,6 +25,7 @@ from .mapping import (
     ShardedTensorFactory,
     StateDict,
 )
+from .runtime.gc_pause import gc_paused  # re-exported: callers import it from here too
 
 logger = logging.getLogger(__name__)
 

@@ -239,7 +239,7 @@ def _block_hashes(raw: Any, length: int) -> Optional[BlockHashes]:
 _HEX = frozenset("0123456789abcdef")
 
 
-@gc_paused()  # a manifest of many items is many small objects (as an index: gc_paused)
+@gc_paused()  # one entry per item of every rank: many small objects, as in an unpickled index
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Parse manifest bytes strictly; anything malformed is a ``CorruptCheckpointError``."""
     if len(raw) > _MAX_MANIFEST_BYTES:
