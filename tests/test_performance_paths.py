@@ -739,6 +739,43 @@ def test_unpickling_and_parsing_a_manifest_collect_no_garbage(collections_starte
     assert gc.isenabled()
 
 
+@pytest.mark.parametrize("first_out", ["outer", "inner"])
+def test_overlapping_pauses_in_two_threads_leave_the_collector_on(tmp_path, first_out):
+    """The collector's switch is the process's: a metadata call in one thread while a load (or
+    another call) runs in another. Whichever pause ends first, the collector is on once both
+    have ended, and nothing either thread read is affected (each thread held at a point inside
+    its pause by an event)."""
+    import gc
+    import threading
+
+    from dist_ckpt.runtime.gc_pause import gc_paused
+
+    dist_ckpt.save({"t": ShardedTensor.from_rank_offsets("t", torch.arange(8.0))}, tmp_path / "c")
+    inside = {name: threading.Event() for name in ("outer", "inner")}
+    leave = {name: threading.Event() for name in ("outer", "inner")}
+    results = {}
+
+    def paused(name):
+        with gc_paused():
+            results[name] = dist_ckpt.load_tensors_metadata(tmp_path / "c")["t"].global_shape
+            inside[name].set()
+            assert leave[name].wait(30)
+
+    threads = {name: threading.Thread(target=paused, args=(name,)) for name in ("outer", "inner")}
+    assert gc.isenabled()
+    threads["outer"].start()
+    assert inside["outer"].wait(30)
+    threads["inner"].start()
+    assert inside["inner"].wait(30)
+    assert not gc.isenabled()
+    last_out = "inner" if first_out == "outer" else "outer"
+    for name in (first_out, last_out):
+        leave[name].set()
+        threads[name].join(30)
+    assert gc.isenabled()
+    assert results == {"outer": (8,), "inner": (8,)}
+
+
 def test_items_start_aligned_and_neighbours_are_still_read_together(tmp_path, monkeypatch):
     """Every item of a ``.distcp`` file starts at a multiple of ``ITEM_ALIGNMENT`` bytes, and so
     does a tensor's data (torch's zip format aligns it within the item): the kernel copies a
