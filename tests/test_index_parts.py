@@ -173,6 +173,42 @@ def test_a_region_that_is_a_stored_chunk_meets_what_the_bisection_meets(saved):
     assert taken == [((2, 3), (2, 3))]
 
 
+def test_the_cutter_finds_a_stored_chunk_by_one_lookup_and_cuts_what_the_search_cuts(saved, monkeypatch):
+    """A region that is exactly a stored chunk (every region of a load in the layout of the
+    save) is found in the key's table of its chunks, without the key's search index being built;
+    the parts cut that way, for the same layout, resharded requests, stacked groups and a
+    request of several shapes of one key, are exactly those the general search cuts."""
+    metadata = read_dcp_metadata(saved / "ckpt")
+
+    def stacked(rank: int) -> list:
+        return [ShardedTensor.from_rank_offsets("rows.5", torch.zeros(2, 3), (0, b, WORLD)) for b in (rank, 3 - rank)]
+
+    requests = ([[sh.without_data() for sh in nested_values(_request(rank, WORLD, False))] for rank in range(WORLD)]
+                + [_resharded_requests(rank) for rank in range(2)] + [stacked(rank) for rank in range(WORLD)]
+                + [stacked(0) + [ShardedTensor.from_rank_offsets("rows.5", torch.zeros(1, 3), (0, 2, 2 * WORLD))]])
+
+    def parts(cutter: IndexCutter) -> list:
+        out = []
+        for request in requests:
+            part = cutter.part(requested_regions(request))
+            content = part.content
+            tensors = [pickle.loads(e) if isinstance(e, bytes) else e for e in content.tensors]
+            out.append((tensors, content.objects, content.files, sorted(part.files), sorted(part.ranges)))
+        return out
+
+    cutter = IndexCutter(metadata)
+    same_layout = [cutter.part(requested_regions([sh.without_data() for sh in nested_values(_request(r, WORLD, False))]))
+                   for r in range(WORLD)]
+    assert all(p is not None for p in same_layout)
+    plain = [k for k, t in cutter._keys.items() if t.exact is not None]
+    assert len(plain) == KEYS + 1  # the row tensors and the grid: found in their tables
+    assert all(cutter._keys[k]._key_index is None for k in plain), "a same-layout cut built a search index"
+    assert cutter._keys["flat"]._key_index is not None  # reformulated: searched
+    found = parts(IndexCutter(metadata))
+    monkeypatch.setattr(IndexCutter, "_stored_chunk", lambda self, *args: None)  # the general search only
+    assert found == parts(IndexCutter(metadata))
+
+
 class _Recording(dict):
     """A dict that records the keys found in it."""
 

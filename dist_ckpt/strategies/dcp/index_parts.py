@@ -240,15 +240,42 @@ class _KeyIndex:
         return [c for c in chunks[lo:hi] if c.offsets[-1] + c.sizes[-1] > start]
 
 
-class _KeyTables(NamedTuple):
-    """What the cutter keeps of one requested key: its index, the head of its entries in a part
-    (key, properties number, size), its chunks encoded and their (file, offset) storage ranges,
-    in stored order."""
+class _KeyTables:
+    """What the cutter keeps of one requested key: the head of its entries in a part (key,
+    properties number, size), its chunks encoded and their (file, offset) storage ranges, in
+    stored order; for a key stored in its own shape, each chunk's position by (offsets, sizes)
+    (``exact``: a region that is a stored chunk, the layout it was saved in, is found by one
+    lookup) and what each chunk alone is sent as (``singles``, made when first asked for, shared
+    by every region that is that chunk). The index for any other region (``key_index``) is built
+    when one first asks: a load in the layout of the save never needs it."""
 
-    key_index: _KeyIndex
-    head: Tuple[str, int, Tuple[int, ...]]
-    wire: List[_Chunk]
-    ranges: List[Optional[Tuple[str, int]]]
+    __slots__ = ("head", "wire", "ranges", "exact", "singles", "_metadata", "_orig", "_key_index")
+
+    def __init__(self, head: Tuple[str, int, Tuple[int, ...]], wire: List[_Chunk],
+                 ranges: List[Optional[Tuple[str, int]]], metadata: TensorStorageMetadata,
+                 orig: Optional[Tuple[int, ...]]) -> None:
+        self.head = head
+        self.wire = wire
+        self.ranges = ranges
+        self.exact: Optional[Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], int]] = None
+        self.singles: List[Optional[_Found]] = [None] * len(wire)
+        self._metadata = metadata
+        self._orig = orig
+        self._key_index: Optional[_KeyIndex] = None
+        if orig is None:
+            ndim = len(head[2])
+            if any(len(offsets) != ndim or len(sizes) != ndim for offsets, sizes, _ in wire):
+                raise _CannotCut(head[0])  # malformed: the rank's planner names it
+            if ndim:
+                self.exact = {(offsets, sizes): i for i, (offsets, sizes, _) in enumerate(wire)}
+        else:  # a reformulated key's shape is checked now: no part if it does not fit
+            self._key_index = _KeyIndex(head[0], metadata, orig)
+
+    @property
+    def key_index(self) -> _KeyIndex:
+        if self._key_index is None:
+            self._key_index = _KeyIndex(self.head[0], self._metadata, self._orig)
+        return self._key_index
 
 
 _NO_FILES: FrozenSet[int] = frozenset()
@@ -316,7 +343,8 @@ class IndexCutter:
         parameter, say) meet together."""
         key, shape, flat, offsets = group
         if len(offsets) == 1:  # a region of its own: cached as this group
-            return self._find(RequestedRegion(key, offsets[0], shape, flat))
+            found = self._stored_chunk(self._key(key), offsets[0], shape, flat)
+            return found if found is not None else self._find(RequestedRegion(key, offsets[0], shape, flat))
         founds = []
         for offset in offsets:
             region = RequestedRegion(key, offset, shape, flat)
@@ -326,8 +354,28 @@ class IndexCutter:
             founds.append(found)
         return self._union(key, founds)
 
+    def _stored_chunk(self, tables: _KeyTables, offset: Tuple[int, ...], shape: Tuple[int, ...],
+                      flat: Optional[Tuple[int, int]]) -> Optional[_Found]:
+        """What a region that is exactly one stored chunk meets: that chunk alone (stored chunks
+        do not overlap; the planner's ``_whole_stored_chunk`` takes it so too), found by one
+        lookup, made once per chunk; None for any other region. Why: in a load of the layout of
+        the save every region is one, and the general search (``_KeyIndex.meeting``) with its
+        tables was most of cutting 8 ranks' parts of 1,000 keys each."""
+        if tables.exact is None or flat is not None or 0 in shape:
+            return None
+        position = tables.exact.get((offset, shape))
+        if position is None:
+            return None
+        found = tables.singles[position]
+        if found is None:
+            found = tables.singles[position] = self._ready(tables, (position,))
+        return found
+
     def _find(self, region: RequestedRegion) -> _Found:
         tables = self._key(region.key)
+        found = self._stored_chunk(tables, region.offset, region.shape, region.flat)
+        if found is not None:
+            return found
         position, met = tables.key_index.position, tables.key_index.meeting(region)
         if len(met) == 1:  # the common case: a region that is a stored chunk
             return self._ready(tables, (position[id(met[0])],))
@@ -363,27 +411,30 @@ class IndexCutter:
             if not isinstance(md, TensorStorageMetadata):
                 raise _CannotCut(key)
             orig = (self.mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY)
-            index = _KeyIndex(key, md, None if orig is None else tuple(orig))
-            wire = [self._encode(key, ch) for ch in md.chunks]
+            where = self._storage_table()
+            wire: List[_Chunk] = []
+            for ch in md.chunks:
+                offsets = tuple(ch.offsets)
+                wire.append((offsets, tuple(ch.sizes), where.get((key, offsets))))
             ranges = [None if w[2] is None else (self._file_list[w[2][0]], w[2][1]) for w in wire]
             p = md.properties
             value = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
             if value not in self._properties:
                 self._properties[value] = len(self._property_list)
                 self._property_list.append(p)
-            tables = self._keys[key] = _KeyTables(index, (key, self._properties[value], tuple(md.size)), wire, ranges)
+            tables = self._keys[key] = _KeyTables((key, self._properties[value], tuple(md.size)), wire, ranges, md,
+                                                  None if orig is None else tuple(orig))
         return tables
-
-    def _encode(self, key: str, ch: ChunkStorageMetadata) -> _Chunk:
-        offsets = tuple(ch.offsets)
-        return (offsets, tuple(ch.sizes), self._storage(key, offsets))
 
     def _storage(self, key: str, offsets: Optional[Tuple[int, ...]] = None) -> _Storage:
         """The storage entry of ``key`` (at ``offsets``, a tensor's chunk) with its file
         numbered; None if it has none (the rank's reader reports that, naming the item)."""
+        return self._storage_table().get((key, offsets))
+
+    def _storage_table(self) -> Dict[Tuple[str, Optional[Tuple[int, ...]]], _Storage]:
         if self._where is None:
             self._where = self._number_storage()
-        return self._where.get((key, offsets))
+        return self._where
 
     def _number_storage(self) -> Dict[Tuple[str, Optional[Tuple[int, ...]]], _Storage]:
         """Every storage entry by (key, offsets) as plain tuples, its file numbered: one pass,
