@@ -137,3 +137,30 @@ def test_random_bytes_as_dcp_index(tmp_path, raw):
     (ckpt / ".metadata").write_bytes(raw or pickle.dumps(None))
     with pytest.raises(CheckpointingException):
         dist_ckpt.load_plain_tensors(ckpt)
+
+
+class _Dim(int):
+    """An int subclass (not bool): the full chunk check takes it, the fast one leaves it to that."""
+
+
+_axis_values = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(-1, 12), st.just(1 << 62), st.just(-(1 << 62)),
+                         st.integers(0, 12).map(_Dim))
+_axis_lists = st.lists(_axis_values, max_size=3)
+_sequences = st.one_of(_axis_lists.map(tuple), _axis_lists, st.lists(st.integers(0, 12), max_size=3).map(torch.Size),
+                       st.text(max_size=3), st.none())
+
+
+@SETTINGS
+@given(_sequences, _sequences, st.lists(st.integers(0, 12), max_size=3))
+def test_the_fast_chunk_check_passes_only_what_the_full_check_passes(offsets, sizes, size):
+    """``.metadata``'s chunk check (``files._validate_item_metadata``) takes a fast path for
+    plain chunks: it must never pass a chunk the full check refuses, and pass every chunk of
+    plain ints the full check passes."""
+    from dist_ckpt.strategies.dcp.files import _chunk_inside, _plainly_inside
+
+    fast = _plainly_inside(offsets, sizes, size, len(size))
+    full = _chunk_inside(offsets, sizes, size)
+    assert not fast or full, (offsets, sizes, size)
+    plain = all(type(v) is int for seq in (offsets, sizes) if isinstance(seq, (tuple, list)) for v in seq)
+    if plain and isinstance(offsets, (tuple, list)) and isinstance(sizes, (tuple, list)):
+        assert fast == full, (offsets, sizes, size)

@@ -74,6 +74,10 @@ def _escape(metadata):
     _w_storage(metadata).relative_path = "../../etc/passwd"
 
 
+def _unhashable_name(metadata):
+    _w_storage(metadata).relative_path = [_w_storage(metadata).relative_path]
+
+
 def _far_offset(metadata):
     _w_storage(metadata).offset = 10 ** 9
 
@@ -106,6 +110,8 @@ CASES = {
                              "claims a chunk of 35184372088832 bytes"),
     ".metadata path escapes": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _escape), CorruptCheckpointError,
                                "'../../etc/passwd', which is not a plain file name"),
+    ".metadata path not a string": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _unhashable_name),
+                                    CorruptCheckpointError, "which is not a plain file name"),
     ".metadata offset past the file": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _far_offset),
                                        CorruptCheckpointError, "recorded at bytes [1000000000"),
     ".metadata offset overflow": ("torch_dist", lambda c: _rewrite_dcp_metadata(c, _overflow), CorruptCheckpointError,
@@ -258,8 +264,14 @@ def test_unpickling_never_imports_a_module_a_file_names(ckpts):
     (lambda md: setattr(md.state_dict_metadata["w"].properties, "dtype", "float32"), "not a torch.dtype"),
     (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", torch.Size([-1, 0])), "outside it"),
     (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", torch.Size([8])), "outside it"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets",
+                        torch.Size([md.state_dict_metadata["w"].size[0], 0])), "outside it"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", (True, 0)), "outside it"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "offsets", [0.0, 0]), "outside it"),
+    (lambda md: setattr(md.state_dict_metadata["w"].chunks[0], "sizes", "88"), "outside it"),
     (lambda md: md.state_dict_metadata.__setitem__("x", 5), "metadata of type int"),
-], ids=["negative", "overflow", "dtype", "chunk-offset", "chunk-ndim", "item-type"])
+], ids=["negative", "overflow", "dtype", "chunk-offset", "chunk-ndim", "chunk-beyond", "chunk-bool", "chunk-float",
+        "chunk-str", "item-type"])
 def test_every_tensor_metadata_field_is_checked(ckpts, change, fragment):
     ckpt = ckpts["torch_dist"]
     _rewrite_dcp_metadata(ckpt, change)

@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -201,6 +201,33 @@ def _is_dim(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _MAX_COUNT
 
 
+def _chunk_inside(offsets: Any, sizes: Any, size: Sequence[int]) -> bool:
+    """A chunk's offsets and sizes are sequences of the tensor's rank, of ints (not bools) from 0,
+    and the chunk lies inside ``size``."""
+    return (isinstance(offsets, (tuple, list)) and isinstance(sizes, (tuple, list))
+            and len(offsets) == len(size) and len(sizes) == len(size)
+            and all(_is_dim(o) and _is_dim(n) and o + n <= d for o, n, d in zip(offsets, sizes, size)))
+
+
+_PLAIN_SEQUENCES = (torch.Size, tuple, list)
+
+
+def _plainly_inside(offsets: Any, sizes: Any, size: Sequence[int], ndim: int) -> bool:
+    """``_chunk_inside`` for the common case, fast: offsets and sizes of the tensor's rank
+    (``ndim``), of plain ints (exactly ``int``), not negative, the chunk inside ``size`` (whose
+    axes are checked already). False sends the chunk to ``_chunk_inside``, which decides. Why:
+    its generator and two calls per axis were a third of reading and checking an index of 8,000
+    chunks (the coordinator of 8 ranks of 1,000 keys)."""
+    if type(offsets) not in _PLAIN_SEQUENCES or type(sizes) not in _PLAIN_SEQUENCES:
+        return False
+    if len(offsets) != ndim or len(sizes) != ndim:
+        return False
+    for o, n, d in zip(offsets, sizes, size):
+        if type(o) is not int or type(n) is not int or o < 0 or n < 0 or o + n > d:
+            return False
+    return True
+
+
 def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
     """Every field of an item's metadata, before anything is sized from it: a non-dtype,
     negative or overflowing sizes, chunks outside the tensor are our error, naming the key."""
@@ -218,11 +245,10 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
         raise CorruptCheckpointError(f"{path}: tensor '{key}' has an invalid size {str(size)[:100]}")
     if not isinstance(md.chunks, list):
         raise CorruptCheckpointError(f"{path}: tensor '{key}' has no list of chunks")
+    ndim = len(size)
     for chunk in md.chunks:
         offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-        if (not isinstance(offsets, (tuple, list)) or not isinstance(sizes, (tuple, list))
-                or len(offsets) != len(size) or len(sizes) != len(size)
-                or not all(_is_dim(o) and _is_dim(n) and o + n <= d for o, n, d in zip(offsets, sizes, size))):
+        if not (_plainly_inside(offsets, sizes, size, ndim) or _chunk_inside(offsets, sizes, size)):
             raise CorruptCheckpointError(
                 f"{path}: tensor '{key}' (size {tuple(size)}) has a chunk at offsets {str(offsets)[:60]} with sizes "
                 f"{str(sizes)[:60]} outside it"
@@ -273,12 +299,15 @@ class DcpReader(FileSystemReader):
             raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
         for key, item_md in metadata.state_dict_metadata.items():
             _validate_item_metadata(path, key, item_md)
+        plain_names: Set[str] = set()  # each file name checked once: a few files hold thousands of items
         for index, info in metadata.storage_data.items():
             name = getattr(info, "relative_path", None)
-            if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-                raise CorruptCheckpointError(
-                    f"{path} names data file {name!r}, which is not a plain file name inside the checkpoint"
-                )
+            if type(name) is not str or name not in plain_names:
+                if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+                    raise CorruptCheckpointError(
+                        f"{path} names data file {name!r}, which is not a plain file name inside the checkpoint"
+                    )
+                plain_names.add(name)
             if not (_is_count(getattr(info, "offset", None)) and _is_count(getattr(info, "length", None))):
                 raise CorruptCheckpointError(f"{path}: item '{index.fqn}' has an invalid offset or length")
         return metadata
