@@ -46,7 +46,7 @@ from dist_ckpt.runtime.durable import drop_page_cache  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.dcp.read import READ_THREADS  # noqa: E402
 from placement_floor import PlacementFloor, planned_moves  # noqa: E402
-from run import _raw_reader_of, _sharded, _timed, _tools, model_state  # noqa: E402
+from run import _paired, _raw_reader_of, _sharded, _timed, _tools, model_state  # noqa: E402
 from turns import balanced_orders  # noqa: E402
 
 __all__ = ["main"]
@@ -122,10 +122,6 @@ def _extents(files: List[Path]) -> List[str]:
         first = ", ".join(f"{r[1].rstrip('.')}->{r[3].rstrip('.')} x{r[5].rstrip(':')}" for r in rows[:4])
         lines.append(f"{path.name}: {path.stat().st_size >> 20} MiB in {len(rows)} extents ({first}, ...)")
     return lines
-
-
-def _paired(a: List[float], b: List[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 def summary(times: Times, rounds: int) -> List[str]:

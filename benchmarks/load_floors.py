@@ -51,7 +51,7 @@ from dist_ckpt.runtime.gc_pause import gc_paused  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
 from dist_ckpt.strategies.dcp.read import READ_THREADS  # noqa: E402
 from placement_floor import PlacementFloor, planned_moves  # noqa: E402
-from run import _sharded, model_state  # noqa: E402
+from run import _paired, _sharded, model_state  # noqa: E402
 from turns import balanced_orders  # noqa: E402
 
 __all__ = ["index_floor_steps", "main"]
@@ -179,7 +179,7 @@ def summary(records: List[Record]) -> List[str]:
     rounds = sorted(by_round["dist_ckpt"])
 
     def paired(a: str, b: str) -> float:
-        return statistics.median(by_round[a][r] / by_round[b][r] for r in rounds)
+        return _paired([by_round[a][r] for r in rounds], [by_round[b][r] for r in rounds])
 
     lines = [f"{len(rounds)} rounds: " + ", ".join(f"{name} {med[name]:.3f} s" for name in LOADS)]
     for name in LOADS:

@@ -343,8 +343,9 @@ class IndexCutter:
         parameter, say) meet together."""
         key, shape, flat, offsets = group
         if len(offsets) == 1:  # a region of its own: cached as this group
-            found = self._stored_chunk(self._key(key), offsets[0], shape, flat)
-            return found if found is not None else self._find(RequestedRegion(key, offsets[0], shape, flat))
+            tables = self._key(key)
+            found = self._stored_chunk(tables, offsets[0], shape, flat)
+            return found if found is not None else self._search(tables, RequestedRegion(key, offsets[0], shape, flat))
         founds = []
         for offset in offsets:
             region = RequestedRegion(key, offset, shape, flat)
@@ -374,8 +375,10 @@ class IndexCutter:
     def _find(self, region: RequestedRegion) -> _Found:
         tables = self._key(region.key)
         found = self._stored_chunk(tables, region.offset, region.shape, region.flat)
-        if found is not None:
-            return found
+        return found if found is not None else self._search(tables, region)
+
+    def _search(self, tables: _KeyTables, region: RequestedRegion) -> _Found:
+        """What a region that is not one stored chunk meets, through the key's search index."""
         position, met = tables.key_index.position, tables.key_index.meeting(region)
         if len(met) == 1:  # the common case: a region that is a stored chunk
             return self._ready(tables, (position[id(met[0])],))
