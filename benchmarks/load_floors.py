@@ -12,14 +12,17 @@ access check Megatron-Core makes by default: one gather to the coordinator and o
 planning: the floor's moves are still worked out before the timing), with the cyclic garbage
 collector paused, as dist_ckpt does.
 
-Three cold loads of the same-layout 2-rank checkpoint (``run.py``'s state, its files written
-once: the "settled" files of ``file_history.py``), in balanced orders (``turns.py``), each round
-from a cold page cache: dist_ckpt's load, the floor, and the floor after those steps ("floor +
-index"). Per load and rank: the time to the first data read (``os.preadv`` timed), the process's
-user and system CPU time; and the floor's steps one by one. Printed: medians, ratios of medians
-and round by round.
+Three cold loads of one checkpoint (``run.py``'s state, its files written once: the "settled"
+files of ``file_history.py``), in balanced orders (``turns.py``), each round from a cold page
+cache: dist_ckpt's load, the floor, and the floor after those steps ("floor + index"). By
+default the checkpoint is saved and loaded by 2 ranks (the same layout); ``--saved-by`` and
+``--ranks`` give the resharded loads of ``run.py`` (2 -> 4, 4 -> 2) and the 4-rank same layout,
+where more ranks than cores take those steps. Per load and rank: the time to the first data
+read (``os.preadv`` timed), the process's user and system CPU time; and the floor's steps one
+by one. Printed: medians, ratios of medians and round by round.
 
-    python benchmarks/load_floors.py [--rounds 18] [--size-mib 1080] [--dir D] [--json F]
+    python benchmarks/load_floors.py [--rounds 18] [--size-mib 1080] [--saved-by 2] [--ranks 2]
+                                     [--dir D] [--json F]
 """
 
 from __future__ import annotations
@@ -122,16 +125,21 @@ def _cpu() -> Tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
+def _save_job(rank: int, world: int, root: str, size_mib: int) -> None:
+    """The checkpoint all loads read, saved by ``world`` ranks, synced and let settle."""
+    torch.set_num_threads(1)
+    dist_ckpt.save(_sharded(model_state(size_mib, rank, world), rank, world), Path(root) / "dist_ckpt")
+    dist.barrier()
+    os.sync()
+    time.sleep(0.5)
+    dist.barrier()
+
+
 def _job(rank: int, world: int, root: str, size_mib: int, rounds: int) -> List[Record]:
     """This rank's records of every timed load (round 0 of the orders is a discarded warm-up)."""
     torch.set_num_threads(1)
     state = model_state(size_mib, rank, world)
     own = Path(root) / "dist_ckpt"
-    dist_ckpt.save(_sharded(state, rank, world), own)
-    dist.barrier()
-    os.sync()
-    time.sleep(0.5)
-    dist.barrier()
     targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
     placed = {k: (torch.ones_like(t), a) for k, (t, a) in targets.items()}
     floor = PlacementFloor(planned_moves(own, placed, rank, world), READ_THREADS)
@@ -204,16 +212,20 @@ def summary(records: List[Record]) -> List[str]:
 def main(argv: List[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=18, help="timed rounds (each: the three loads)")
-    parser.add_argument("--size-mib", type=int, default=1080, help="the state over 2 ranks (as run.py)")
+    parser.add_argument("--size-mib", type=int, default=1080, help="the whole state (as run.py)")
+    parser.add_argument("--saved-by", type=int, default=2, help="ranks that save the checkpoint")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks that load it")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", help="write every load's record here")
     args = parser.parse_args(argv)
     root = tempfile.mkdtemp(prefix="dist_ckpt_load_floors_", dir=args.dir)
     try:
-        per_rank = run_distributed(_job, 2, root, args.size_mib, args.rounds)
+        run_distributed(_save_job, args.saved_by, root, args.size_mib)
+        per_rank = run_distributed(_job, args.ranks, root, args.size_mib, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     records = [rec for rank_records in per_rank for rec in rank_records]
+    print(f"saved by {args.saved_by} ranks, loaded by {args.ranks}")
     print("\n".join(summary(records)))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

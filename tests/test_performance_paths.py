@@ -395,10 +395,12 @@ def test_the_file_history_benchmark_reads_new_files_each_fresh_round_and_the_sam
     assert not list(tmp_path.glob("dist_ckpt_file_history_*")), "the benchmark's files were left behind"
 
 
-def test_the_load_floors_benchmark_times_each_load_and_the_index_steps_before_the_floor(tmp_path):
-    """benchmarks/load_floors.py: every timed round has the three loads on both ranks, each
+@pytest.mark.parametrize("saved_by, ranks", [(2, 2), (2, 4)])
+def test_the_load_floors_benchmark_times_each_load_and_the_index_steps_before_the_floor(tmp_path, saved_by, ranks):
+    """benchmarks/load_floors.py: every timed round has the three loads on every rank, each
     with its first data read timed; the floor with its index takes the five steps (each timed)
-    before its reads, the other two loads none (a 2-rank state of 8 MiB here)."""
+    before its reads, the other two loads none (a state of 8 MiB here, saved by 2 ranks and
+    loaded by 2, and resharded: loaded by 4)."""
     import json
     import subprocess
     import sys
@@ -406,11 +408,12 @@ def test_the_load_floors_benchmark_times_each_load_and_the_index_steps_before_th
     out = tmp_path / "floors.json"
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "load_floors.py"
     run = subprocess.run([sys.executable, str(script), "--rounds", "2", "--size-mib", "8", "--dir", str(tmp_path),
-                          "--json", str(out)], timeout=300, capture_output=True, text=True)
+                          "--saved-by", str(saved_by), "--ranks", str(ranks), "--json", str(out)],
+                         timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     records = json.loads(out.read_text())
     assert sorted((r["round"], r["load"], r["rank"]) for r in records) == sorted(
-        (n, load, rank) for n in (1, 2) for load in ("dist_ckpt", "floor", "floor + index") for rank in (0, 1))
+        (n, load, rank) for n in (1, 2) for load in ("dist_ckpt", "floor", "floor + index") for rank in range(ranks))
     for record in records:
         assert 0 < record["first_read_s"] < record["own_s"] <= record["seconds"], record
         if record["load"] == "floor + index":
@@ -419,7 +422,8 @@ def test_the_load_floors_benchmark_times_each_load_and_the_index_steps_before_th
             assert all(s > 0 for s in record["steps"].values()) and sum(record["steps"].values()) < record["first_read_s"]
         else:
             assert record["steps"] == {}, record
-    assert "2 rounds: dist_ckpt " in run.stdout and "dist_ckpt / floor + index " in run.stdout
+    assert f"saved by {saved_by} ranks, loaded by {ranks}\n2 rounds: dist_ckpt " in run.stdout
+    assert "dist_ckpt / floor + index " in run.stdout
     assert not list(tmp_path.glob("dist_ckpt_load_floors_*")), "the benchmark's files were left behind"
 
 
