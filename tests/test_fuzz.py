@@ -164,3 +164,25 @@ def test_the_fast_chunk_check_passes_only_what_the_full_check_passes(offsets, si
     plain = all(type(v) is int for seq in (offsets, sizes) if isinstance(seq, (tuple, list)) for v in seq)
     if plain and isinstance(offsets, (tuple, list)) and isinstance(sizes, (tuple, list)):
         assert fast == full, (offsets, sizes, size)
+
+
+_boxes = st.lists(st.tuples(st.tuples(st.integers(0, 6), st.integers(0, 6)),
+                            st.tuples(st.integers(0, 4), st.integers(0, 4))), max_size=5)
+
+
+@SETTINGS
+@given(_boxes)
+def test_the_pairwise_disjointness_check_never_misses_an_overlap(raw):
+    """``plan._check_disjoint`` skips its sweep when ``_any_pair_may_meet`` says no two of a
+    request's direct boxes meet: that must never be said of boxes ``intersect`` finds a common
+    box for, and is said of every set of non-empty boxes that has none."""
+    from dist_ckpt.sharding.geometry import Box, intersect
+    from dist_ckpt.strategies.dcp.plan import _any_pair_may_meet
+
+    boxes = [Box(offset, shape) for offset, shape in raw]
+    meets = any(intersect(a, b) is not None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    may_meet = _any_pair_may_meet(boxes)
+    assert may_meet or not meets, boxes
+    if all(box.numel for box in boxes):
+        assert may_meet == meets, boxes
+    assert _any_pair_may_meet(boxes + [None])  # a request read through copies: the sweep decides
