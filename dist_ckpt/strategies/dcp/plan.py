@@ -466,8 +466,7 @@ def _any_pair_may_meet(boxes: Sequence[Optional[Box]]) -> bool:
         if a is None:
             return True
         for b in boxes[i + 1:]:
-            if b is None or all(ao < bo + bs and bo < ao + az
-                                for ao, az, bo, bs in zip(a.offset, a.shape, b.offset, b.shape)):
+            if b is None or _may_overlap(a.offset, a.shape, b):
                 return True
     return False
 
