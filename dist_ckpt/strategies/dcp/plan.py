@@ -337,7 +337,13 @@ def _may_overlap(offsets: Sequence[int], sizes: Sequence[int], box: Box) -> bool
     count is let through: ``stored_tensor_catalog`` checks it)."""
     if len(offsets) != len(box.offset) or len(sizes) != len(box.shape):
         return True
-    return all(o < b + n and b < o + z for o, z, b, n in zip(offsets, sizes, box.offset, box.shape))
+    return _extents_meet(offsets, sizes, box.offset, box.shape)
+
+
+def _extents_meet(offsets: Sequence[int], sizes: Sequence[int], other_offsets: Sequence[int],
+                  other_sizes: Sequence[int]) -> bool:
+    """Whether two boxes given by their numbers overlap on every axis they share."""
+    return all(o < b + n and b < o + z for o, z, b, n in zip(offsets, sizes, other_offsets, other_sizes))
 
 
 @dataclass
@@ -466,7 +472,7 @@ def _any_pair_may_meet(boxes: Sequence[Optional[Box]]) -> bool:
         if a is None:
             return True
         for b in boxes[i + 1:]:
-            if b is None or _may_overlap(a.offset, a.shape, b):
+            if b is None or _extents_meet(a.offset, a.shape, b.offset, b.shape):
                 return True
     return False
 
