@@ -395,6 +395,55 @@ def test_the_file_history_benchmark_reads_new_files_each_fresh_round_and_the_sam
     assert not list(tmp_path.glob("dist_ckpt_file_history_*")), "the benchmark's files were left behind"
 
 
+def test_the_file_pattern_benchmark_reads_every_file_whole_in_every_pattern(tmp_path):
+    """benchmarks/file_pattern.py: each block writes the four files again (raw I/O's writer
+    twice around dist_ckpt's save, and a copy of the save's data file), and every timed round
+    reads each file whole in both patterns (a 2-rank state of 8 MiB here: seconds)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "pattern.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "file_pattern.py"
+    run = subprocess.run([sys.executable, str(script), "--rounds", "2", "--blocks", "2", "--size-mib", "8",
+                          "--dir", str(tmp_path), "--json", str(out)], timeout=300, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(result["times"]) == sorted(f"{f} / {p}" for f in ("raw A", "dist_ckpt", "raw C", "copy")
+                                             for p in ("1 thread", "8 threads"))
+    assert all(len(v) == 4 and min(v) > 0 for v in result["times"].values()), result["times"]
+    sizes = result["sizes"]
+    assert sizes["raw A"] == sizes["raw C"] > 0 and sizes["copy"] == sizes["dist_ckpt"] > sizes["raw A"]
+    assert "dist_ckpt's file in 8 threads at " in run.stdout and "8 threads / 1 thread on the same file" in run.stdout
+    assert not list(tmp_path.glob("dist_ckpt_file_pattern_*")), "the benchmark's files were left behind"
+
+
+def test_reading_in_lanes_reads_every_byte_once(tmp_path):
+    """``file_pattern.read_in_lanes`` covers a file whose size is no multiple of its lanes or
+    pieces, each byte once and in place: every lane's last piece in its part of the buffer is
+    the file's bytes there; ``read_in_order`` ends with the file's last bytes."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import file_pattern as fp
+    finally:
+        sys.path.pop(0)
+    data = numpy.random.default_rng(0).integers(0, 256, 3 * fp.LANE_PIECE + 12_345, dtype=numpy.uint8).tobytes()
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    buffer = memoryview(bytearray(fp.LANES * fp.LANE_PIECE))
+    assert fp.read_in_lanes(path, buffer) == len(data)
+    lane = -(-len(data) // fp.LANES)
+    for i in range(fp.LANES):
+        start, end = i * lane, min(len(data), (i + 1) * lane)
+        last = start + (end - start - 1) // fp.LANE_PIECE * fp.LANE_PIECE
+        assert bytes(buffer[i * fp.LANE_PIECE:i * fp.LANE_PIECE + end - last]) == data[last:end], i
+    assert fp.read_in_order(path, buffer) == len(data)
+    tail = len(data) % fp.ONE_THREAD_PIECE
+    assert bytes(buffer[:tail]) == data[-tail:]
+
+
 @pytest.mark.parametrize("saved_by, ranks", [(2, 2), (2, 4)])
 def test_the_load_floors_benchmark_times_each_load_and_the_index_steps_before_the_floor(tmp_path, saved_by, ranks):
     """benchmarks/load_floors.py: every timed round has the three loads on every rank, each
