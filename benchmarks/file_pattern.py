@@ -105,6 +105,9 @@ READERS: Dict[str, Callable[[Path, memoryview], int]] = {"1 thread": read_in_ord
 
 
 def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: int) -> Tuple[Times, Dict[str, int]]:
+    """This rank's seconds per "file / pattern" and timed round, and its files' sizes. Both ranks
+    remove the shared directories before each block's writes (then a barrier: no rank writes
+    while another removes)."""
     torch.set_num_threads(1)
     state = model_state(size_mib, rank, world)
     raw_save, _ = _tools(state, rank, world)["raw"]
