@@ -12,11 +12,16 @@ two factors on 2 gloo ranks, each reading files of its own, cold (the guest's pa
   (the rank's ``.distcp`` file), ``raw C`` by raw I/O's writer again, ``copy`` the ``.distcp``
   file copied by one thread in 8 MiB pieces and fsynced (dist_ckpt's bytes, raw I/O's way of
   writing);
-* the patterns: ``1 thread`` (raw I/O's loop: ``readinto`` in order, 2 MiB pieces) and
-  ``8 threads`` (the file in 8 contiguous lanes, one thread each, ``os.preadv`` of 16 MiB, as
-  dist_ckpt's reader and its floor issue them; no hashing, no placement).
+* the patterns: ``1 thread`` (raw I/O's loop: ``readinto`` in order, 2 MiB pieces, into one
+  buffer), ``8 threads`` (the file in 8 contiguous lanes, one thread each, ``os.preadv`` of
+  16 MiB into one buffer, as dist_ckpt's reader issues them; no hashing, no placement), and
+  ``floor`` (``placement_floor.PlacementFloor``: each tensor's bytes read straight into its
+  destination tensor and hashed, in 8 lanes with work stealing; in raw I/O's files a tensor's
+  bytes follow the previous tensor's, in dist_ckpt's each lies inside its record, as
+  ``.metadata`` and the record's header say). The floor's destinations are checked against the
+  state once per block and file.
 
-Every round times the 8 loads in a balanced order (``turns.balanced_orders``); both ranks read
+Every round times the 12 loads in a balanced order (``turns.balanced_orders``); both ranks read
 at once, and a load's time is from a barrier to a barrier. The files are written again before
 each block. Printed: medians over the rounds and each block's, and the ratios that say which
 factor decides.
@@ -27,6 +32,7 @@ factor decides.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import filecmp
 import json
 import os
@@ -47,13 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dist_ckpt  # noqa: E402
 from dist_ckpt.runtime.durable import drop_page_cache  # noqa: E402
 from dist_ckpt.runtime.launch import run_distributed  # noqa: E402
+from placement_floor import Move, PlacementFloor, planned_moves  # noqa: E402
 from run import _paired, _sharded, _tools, model_state  # noqa: E402
 from turns import balanced_orders  # noqa: E402
 
 __all__ = ["main", "summary", "read_in_order", "read_in_lanes", "FILES", "PATTERNS", "READERS"]
 
 FILES = ("raw A", "dist_ckpt", "raw C", "copy")
-PATTERNS = ("1 thread", "8 threads")
+PATTERNS = ("1 thread", "8 threads", "floor")
 ONE_THREAD_PIECE = 2 << 20
 LANE_PIECE = 16 << 20
 LANES = 8
@@ -104,6 +111,17 @@ def read_in_lanes(path: Path, buffer: memoryview) -> int:
 READERS: Dict[str, Callable[[Path, memoryview], int]] = {"1 thread": read_in_order, "8 threads": read_in_lanes}
 
 
+def raw_file_moves(path: Path, destinations: Dict[str, torch.Tensor]) -> List[Move]:
+    """The floor's moves for a file of raw I/O's writer: each tensor's bytes right after the
+    previous one's, in the state's order, straight into its destination."""
+    moves, at = [], 0
+    for tensor in destinations.values():
+        target = tensor.view(-1).view(torch.uint8).numpy()
+        moves.append(Move(path, at, target.nbytes, target))
+        at += target.nbytes
+    return moves
+
+
 def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: int) -> Tuple[Times, Dict[str, int]]:
     """This rank's seconds per "file / pattern" and timed round, and its files' sizes. Both ranks
     remove the shared directories before each block's writes (then a barrier: no rank writes
@@ -139,6 +157,23 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
         time.sleep(1.0)
         dist.barrier()
 
+    destinations = {k: torch.ones_like(t) for k, (t, _) in state.items()}  # the floor's, shared by the files
+
+    def floors() -> Dict[str, PlacementFloor]:  # after each block's writes
+        ours = planned_moves(paths["dist_ckpt"].parent, {k: (destinations[k], a) for k, (_, a) in state.items()},
+                             rank, world)
+        # a replicated tensor (the norms: 4 KiB each) is stored once, in rank 0's file: rank 1's floor
+        # reads it there, from the copy's load too (the copy holds this rank's file only)
+        in_copy = [dataclasses.replace(m, path=paths["copy"]) if m.path == paths["dist_ckpt"] else m for m in ours]
+        return {"raw A": PlacementFloor(raw_file_moves(paths["raw A"], destinations), LANES),
+                "dist_ckpt": PlacementFloor(ours, LANES),
+                "raw C": PlacementFloor(raw_file_moves(paths["raw C"], destinations), LANES),
+                "copy": PlacementFloor(in_copy, LANES)}
+
+    def placed(floor: PlacementFloor) -> int:
+        floor.run()
+        return sum(m.nbytes for lane in floor.lanes for m in lane)
+
     times: Times = {}
     sizes = {}
     loads = [(f, p) for f in FILES for p in PATTERNS]  # FILES and PATTERNS as the caller may have set them
@@ -146,17 +181,28 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
     for block in range(blocks):
         write()
         sizes = {name: p.stat().st_size for name, p in paths.items()}
-        for r in range(rounds + 1):  # round 0: warm-up, discarded
+        floor_of = floors()
+        state_bytes = sum(t.numel() * t.element_size() for t, _ in state.values())
+        for r in range(rounds + 1):  # round 0: warm-up, discarded; the floor's destinations checked
             for i in orders[r % len(orders)]:
                 name, pattern = loads[i]
+                if pattern == "floor" and r == 0:
+                    for t in destinations.values():
+                        t.fill_(1)
                 drop_page_cache(paths[name].parent)
                 dist.barrier()
                 start = time.perf_counter()
-                n = READERS[pattern](paths[name], buffer)
+                n = placed(floor_of[name]) if pattern == "floor" else READERS[pattern](paths[name], buffer)
                 dist.barrier()
                 seconds = time.perf_counter() - start
-                if n != sizes[name]:
-                    raise AssertionError(f"{paths[name]}: read {n} of {sizes[name]} bytes")
+                expected = state_bytes if pattern == "floor" else sizes[name]
+                if n != expected:
+                    raise AssertionError(f"{paths[name]}: read {n} of {expected} bytes ({pattern})")
+                if pattern == "floor" and r == 0:
+                    wrong = [k for k, (t, _) in state.items() if not torch.equal(t, destinations[k])]
+                    if wrong:
+                        raise AssertionError(f"{paths[name]}: the floor left {len(wrong)} tensors unlike the state, "
+                                             f"e.g. {wrong[0]}")
                 if r > 0:
                     times.setdefault(f"{name} / {pattern}", []).append(seconds)
     return times, sizes
