@@ -11,7 +11,9 @@ two factors on 2 gloo ranks, each reading files of its own, cold (the guest's pa
   ``raw A`` by raw I/O's writer (``run.py``'s ``raw`` tool), ``dist_ckpt`` by ``dist_ckpt.save``
   (the rank's ``.distcp`` file), ``raw C`` by raw I/O's writer again, ``copy`` the ``.distcp``
   file copied by one thread in 8 MiB pieces and fsynced (dist_ckpt's bytes, raw I/O's way of
-  writing);
+  writing), ``gaps`` raw I/O's bytes with ``GAP`` bytes of zeros before each tensor (written as
+  raw I/O writes: where the ``.distcp`` file has a record's header and end between two tensors,
+  this file has zeros, and nothing else differs from raw I/O's file);
 * the patterns: ``1 thread`` (raw I/O's loop: ``readinto`` in order, 2 MiB pieces, into one
   buffer), ``8 threads`` (the file in 8 contiguous lanes, one thread each, ``os.preadv`` of
   16 MiB into one buffer, as dist_ckpt's reader issues them; no hashing, no placement), and
@@ -21,7 +23,7 @@ two factors on 2 gloo ranks, each reading files of its own, cold (the guest's pa
   ``.metadata`` and the record's header say). The floor's destinations are checked against the
   state once per block and file.
 
-Every round times the 12 loads in a balanced order (``turns.balanced_orders``); both ranks read
+Every round times the 15 loads in a balanced order (``turns.balanced_orders``); both ranks read
 at once, and a load's time is from a barrier to a barrier. The files are written again before
 each block. Printed: medians over the rounds and each block's, and the ratios that say which
 factor decides.
@@ -57,9 +59,11 @@ from placement_floor import Move, PlacementFloor, planned_moves  # noqa: E402
 from run import _paired, _sharded, _tools, model_state  # noqa: E402
 from turns import balanced_orders  # noqa: E402
 
-__all__ = ["main", "summary", "read_in_order", "read_in_lanes", "FILES", "PATTERNS", "READERS"]
+__all__ = ["main", "summary", "read_in_order", "read_in_lanes", "raw_file_moves", "write_with_gaps", "FILES", "GAP",
+           "PATTERNS", "READERS"]
 
-FILES = ("raw A", "dist_ckpt", "raw C", "copy")
+FILES = ("raw A", "dist_ckpt", "raw C", "copy", "gaps")
+GAP = 4096  # zeros before each tensor of the ``gaps`` file: about a record's header and end
 PATTERNS = ("1 thread", "8 threads", "floor")
 ONE_THREAD_PIECE = 2 << 20
 LANE_PIECE = 16 << 20
@@ -111,15 +115,28 @@ def read_in_lanes(path: Path, buffer: memoryview) -> int:
 READERS: Dict[str, Callable[[Path, memoryview], int]] = {"1 thread": read_in_order, "8 threads": read_in_lanes}
 
 
-def raw_file_moves(path: Path, destinations: Dict[str, torch.Tensor]) -> List[Move]:
-    """The floor's moves for a file of raw I/O's writer: each tensor's bytes right after the
-    previous one's, in the state's order, straight into its destination."""
+def raw_file_moves(path: Path, destinations: Dict[str, torch.Tensor], gap: int = 0) -> List[Move]:
+    """The floor's moves for a file of raw I/O's writer: each tensor's bytes ``gap`` bytes after
+    the previous one's, in the state's order, straight into its destination."""
     moves, at = [], 0
     for tensor in destinations.values():
         target = tensor.view(-1).view(torch.uint8).numpy()
-        moves.append(Move(path, at, target.nbytes, target))
-        at += target.nbytes
+        moves.append(Move(path, at + gap, target.nbytes, target))
+        at += gap + target.nbytes
     return moves
+
+
+def write_with_gaps(path: Path, tensors: List[torch.Tensor], gap: int) -> None:
+    """Raw I/O's writer (one thread, each tensor's bytes in one call, one fsync) with ``gap``
+    bytes of zeros before each tensor."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    zeros = bytes(gap)
+    with open(path, "wb") as f:
+        for t in tensors:
+            f.write(zeros)
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: int) -> Tuple[Times, Dict[str, int]]:
@@ -131,11 +148,12 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
     raw_save, _ = _tools(state, rank, world)["raw"]
     base = Path(root)
     paths = {"raw A": base / "A" / f"rank{rank}.bin", "dist_ckpt": base / "ck" / f"__{rank}_0.distcp",
-             "raw C": base / "C" / f"rank{rank}.bin", "copy": base / "copy" / f"rank{rank}.distcp"}
+             "raw C": base / "C" / f"rank{rank}.bin", "copy": base / "copy" / f"rank{rank}.distcp",
+             "gaps": base / "gaps" / f"rank{rank}.bin"}
     buffer = memoryview(bytearray(LANES * LANE_PIECE))
 
     def write() -> None:
-        for d in ("A", "ck", "C", "copy"):
+        for d in ("A", "ck", "C", "copy", "gaps"):
             shutil.rmtree(base / d, ignore_errors=True)
         dist.barrier()
         os.sync()
@@ -152,6 +170,7 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
             os.fsync(dst.fileno())
         if not filecmp.cmp(paths["dist_ckpt"], paths["copy"], shallow=False):
             raise AssertionError(f"{paths['copy']} differs from the file it copies")
+        write_with_gaps(paths["gaps"], [t for t, _ in state.values()], GAP)
         dist.barrier()
         os.sync()
         time.sleep(1.0)
@@ -168,7 +187,8 @@ def _job(rank: int, world: int, root: str, size_mib: int, rounds: int, blocks: i
         return {"raw A": PlacementFloor(raw_file_moves(paths["raw A"], destinations), LANES),
                 "dist_ckpt": PlacementFloor(ours, LANES),
                 "raw C": PlacementFloor(raw_file_moves(paths["raw C"], destinations), LANES),
-                "copy": PlacementFloor(in_copy, LANES)}
+                "copy": PlacementFloor(in_copy, LANES),
+                "gaps": PlacementFloor(raw_file_moves(paths["gaps"], destinations, GAP), LANES)}
 
     def placed(floor: PlacementFloor) -> int:
         floor.run()

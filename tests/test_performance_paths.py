@@ -396,8 +396,9 @@ def test_the_file_history_benchmark_reads_new_files_each_fresh_round_and_the_sam
 
 
 def test_the_file_pattern_benchmark_reads_every_file_whole_in_every_pattern(tmp_path):
-    """benchmarks/file_pattern.py: each block writes the four files again (raw I/O's writer
-    twice around dist_ckpt's save, and a copy of the save's data file), and every timed round
+    """benchmarks/file_pattern.py: each block writes the five files again (raw I/O's writer
+    twice around dist_ckpt's save, a copy of the save's data file, raw I/O's bytes with gaps
+    between the tensors), and every timed round
     reads each file whole in both bare patterns and puts its tensors in place with the floor's
     code, which the script checks against the state (a 2-rank state of 8 MiB here: seconds)."""
     import json
@@ -410,11 +411,12 @@ def test_the_file_pattern_benchmark_reads_every_file_whole_in_every_pattern(tmp_
                           "--dir", str(tmp_path), "--json", str(out)], timeout=300, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert sorted(result["times"]) == sorted(f"{f} / {p}" for f in ("raw A", "dist_ckpt", "raw C", "copy")
+    assert sorted(result["times"]) == sorted(f"{f} / {p}" for f in ("raw A", "dist_ckpt", "raw C", "copy", "gaps")
                                              for p in ("1 thread", "8 threads", "floor"))
     assert all(len(v) == 4 and min(v) > 0 for v in result["times"].values()), result["times"]
     sizes = result["sizes"]
     assert sizes["raw A"] == sizes["raw C"] > 0 and sizes["copy"] == sizes["dist_ckpt"] > sizes["raw A"]
+    assert (sizes["gaps"] - sizes["raw A"]) % 4096 == 0 and sizes["gaps"] > sizes["raw A"]
     assert "dist_ckpt's file in 8 threads at " in run.stdout and "8 threads / 1 thread on the same file" in run.stdout
     assert "floor: speed of each file / raw A's (r.b.r.): dist_ckpt " in run.stdout
     assert not list(tmp_path.glob("dist_ckpt_file_pattern_*")), "the benchmark's files were left behind"
