@@ -398,9 +398,9 @@ def test_the_file_history_benchmark_reads_new_files_each_fresh_round_and_the_sam
 def test_the_file_pattern_benchmark_reads_every_file_whole_in_every_pattern(tmp_path):
     """benchmarks/file_pattern.py: each block writes the five files again (raw I/O's writer
     twice around dist_ckpt's save, a copy of the save's data file, raw I/O's bytes with gaps
-    between the tensors), and every timed round
-    reads each file whole in both bare patterns and puts its tensors in place with the floor's
-    code, which the script checks against the state (a 2-rank state of 8 MiB here: seconds)."""
+    between the tensors), and every timed round reads each file whole in both bare patterns and
+    puts its tensors in place with the floor's code, which the script checks against the state
+    (a 2-rank state of 8 MiB here: seconds)."""
     import json
     import subprocess
     import sys
