@@ -422,6 +422,56 @@ def test_the_file_pattern_benchmark_reads_every_file_whole_in_every_pattern(tmp_
     assert not list(tmp_path.glob("dist_ckpt_file_pattern_*")), "the benchmark's files were left behind"
 
 
+def test_the_first_reads_benchmark_reads_every_file_whole_in_every_pass(tmp_path):
+    """benchmarks/first_reads.py: the files written one after another, each read whole in every
+    pass (the script checks the bytes read against the file's size), the seconds kept per pass
+    and file, and nothing left behind (3 files of 4 MiB here)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "first_reads.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "first_reads.py"
+    run = subprocess.run([sys.executable, str(script), "--files", "3", "--size-mib", "4", "--passes", "2",
+                          "--dir", str(tmp_path), "--json", str(out)], timeout=120, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["files"] == 3 and result["size_bytes"] == 4 << 20
+    assert len(result["passes"]) == 2 and all(len(p) == 3 and min(p) > 0 for p in result["passes"]), result
+    assert "3 files of 4 MiB: the first cold read after writing " in run.stdout
+    assert not list(tmp_path.glob("dist_ckpt_first_reads_*")), "the benchmark's files were left behind"
+
+
+def test_a_cold_read_that_comes_up_short_is_an_error(tmp_path):
+    """``first_reads.cold_read`` times a whole file, and refuses to time less: a file that
+    shrinks after its size was taken (here: a loop that stops early) is an error, not a fast read."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import first_reads as fr
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / "f.bin"
+    fr.write_file(path, (3 << 20) + 17, seed=1)
+    assert path.stat().st_size == (3 << 20) + 17
+    assert fr.cold_read(path, memoryview(bytearray(fr.PIECE))) > 0
+
+    real_open = open
+
+    def shrinking_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        os.truncate(file, 1 << 20)  # the file loses its tail after cold_read took its size
+        return f
+
+    fr.open = shrinking_open  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(RuntimeError, match="read 1048576 bytes of 3145745"):
+            fr.cold_read(path, memoryview(bytearray(fr.PIECE)))
+    finally:
+        del fr.open  # type: ignore[attr-defined]
+
+
 def test_reading_in_lanes_reads_every_byte_once(tmp_path):
     """``file_pattern.read_in_lanes`` covers a file whose size is no multiple of its lanes or
     pieces, each byte once and in place: every lane's last piece in its part of the buffer is
