@@ -2,7 +2,7 @@
 its later cold reads: a bare-bones experiment, no dist_ckpt.
 
 Every "cold" load of these benchmarks drops the guest's page cache (``posix_fadvise(DONTNEED)``,
-``drop_page_cache``); nothing here can drop a cache the host keeps below the guest's disk. If
+``dist_ckpt.runtime.durable.drop_page_cache``); nothing here can drop a cache the host keeps below the guest's disk. If
 there is one, a file's first read after it was written comes from below it, and its later cold
 reads from it, and the benchmarks' two designs (``run.py``'s rotation, where each tool reads files
 written just before, and its loads in turn, which read files written once) measure two different
@@ -22,15 +22,12 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dist_ckpt.runtime.durable import drop_page_cache  # noqa: E402
+import numpy
 
 __all__ = ["write_file", "cold_read", "main"]
 
@@ -72,8 +69,6 @@ def cold_read(path: Path, buffer: memoryview) -> float:
 
 
 def _pattern(nbytes: int, seed: int) -> bytes:
-    import numpy
-
     return numpy.random.default_rng(seed).integers(0, 256, nbytes, dtype=numpy.uint8).tobytes()
 
 
@@ -101,7 +96,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
         files = [root / f"f{i}" for i in range(args.files)]
         for i, path in enumerate(files):
             write_file(path, nbytes, seed=i)
-        drop_page_cache(root)
         buffer = memoryview(bytearray(PIECE))
         passes = [[cold_read(path, buffer) for path in files] for _ in range(args.passes)]
     finally:

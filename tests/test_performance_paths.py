@@ -444,7 +444,7 @@ def test_the_first_reads_benchmark_reads_every_file_whole_in_every_pass(tmp_path
 
 def test_a_cold_read_that_comes_up_short_is_an_error(tmp_path):
     """``first_reads.cold_read`` times a whole file, and refuses to time less: a file that
-    shrinks after its size was taken (here: a loop that stops early) is an error, not a fast read."""
+    shrinks after its size was taken (here: truncated as it is opened) is an error, not a fast read."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
