@@ -4,9 +4,12 @@ most bytes left, so that one slow read does not hold back the rest of the load."
 
 from __future__ import annotations
 
+import errno
+import os
 import random
 import threading
 
+import pytest
 import torch
 
 import dist_ckpt
@@ -119,3 +122,54 @@ def test_the_placement_floor_with_balanced_lanes_puts_every_byte_in_place(tmp_pa
             floor.run()
         for k, t in full.items():
             assert torch.equal(half[k][0], t.chunk(2, dim=axis)[1]), (axis, k)
+
+
+def test_every_data_file_a_reader_thread_opens_is_declared_sequential(tmp_path, monkeypatch):
+    """Each reader thread reads its lane front to back, and says so for every data file it opens
+    (``POSIX_FADV_SEQUENTIAL`` on the whole file: a larger read-ahead); the index files and
+    ``common.pt``, read whole in one call, get no hint."""
+    from dist_ckpt.strategies.dcp import read_calls
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("posix_fadvise is Linux's")
+    full = {f"w{i:02d}": torch.randn(128, 256) for i in range(16)}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c")
+    advised = []
+    real = os.posix_fadvise
+
+    def recording(fd, offset, length, advice):
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(read_calls.os, "posix_fadvise", recording)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c", sharded_strategy=TorchDistLoadShardedStrategy(thread_count=2))
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    data_files = sorted(str(p) for p in (tmp_path / "c").glob("*.distcp"))
+    assert data_files and {path for path, *_ in advised} == set(data_files), advised
+    assert {(offset, length, advice) for _, offset, length, advice in advised} == {(0, 0, os.POSIX_FADV_SEQUENTIAL)}
+    assert 1 <= len(advised) <= 2 * len(data_files)  # once per thread that opened the file
+
+
+def test_a_file_system_that_refuses_the_hint_still_loads(tmp_path, monkeypatch):
+    """The sequential hint is advice: where it fails (``EINVAL`` from a file system that does not
+    take it) or does not exist (another OS), the load reads every byte as without it."""
+    from dist_ckpt.strategies.dcp import read_calls
+
+    full = {f"w{i:02d}": torch.randn(64, 256) for i in range(4)}
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in full.items()}, tmp_path / "c")
+    refused = []
+
+    def refusing(fd, offset, length, advice):
+        refused.append(advice)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(read_calls.os, "posix_fadvise", refusing)
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c")
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())
+    assert refused, "the hint was not asked for"
+    monkeypatch.delattr(read_calls.os, "posix_fadvise")
+    request = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in full.items()}
+    loaded = dist_ckpt.load(request, tmp_path / "c")
+    assert all(tensors_bitwise_equal(loaded[k], t) for k, t in full.items())

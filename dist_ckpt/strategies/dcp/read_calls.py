@@ -1,7 +1,8 @@
 """The direct reader's system calls and buffers (``read.py`` decides what to read where):
 file bytes into a list of buffers in calls of ``READ_PIECE`` bytes, each call's bytes hashed
 right after it while in cache (``_read_views``, ``_read_into``); a strided destination's rows
-as buffers (``_row_views``); one reader thread's open files and buffers (``_Lane``) and the
+as buffers (``_row_views``); one reader thread's open files, each declared read in order
+(``expect_sequential_reads``), and its buffers (``_Lane``) and the
 large scratch buffers the threads of a load share (``_ScratchPool``); the stored blob a group
 of read items is served by (``ItemGroup``)."""
 
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from ...core import CorruptCheckpointError
 from .record import tensor_bytes
 
-__all__ = ["ItemGroup", "READ_PIECE", "SMALL_BLOB"]
+__all__ = ["ItemGroup", "READ_PIECE", "SMALL_BLOB", "expect_sequential_reads"]
 
 READ_PIECE = 16 << 20  # bytes per read call (and hash update) of a large item
 SMALL_BLOB = 1 << 20  # scratch memory up to this size is the reader thread's own
@@ -55,6 +56,26 @@ class _ScratchPool:
             self._returned.notify()
 
 
+def expect_sequential_reads(fd: int) -> None:
+    """Tell the kernel that ``fd`` is read front to back (``POSIX_FADV_SEQUENTIAL``: on Linux,
+    twice the device's read-ahead window for this descriptor). Where the hint is not supported
+    (another OS, a file system that refuses it) the reads go on without it.
+
+    Why: each reader thread reads its lane of a data file in order, blob after blob, and a larger
+    read-ahead keeps more of the lane in flight while the thread hashes and places what arrived.
+    Cold loads of 1 GiB on the 2-core VM of the benchmarks, each in turn with the same load
+    unhinted (balanced orders, medians of the rounds' ratios, 12-24 rounds): on 2 ranks the same
+    layout took 0.93x and 0.94x the time, 4 -> 2 ranks 0.85x and 0.79x; on 4 ranks the same
+    layout 1.00x, 2 -> 4 ranks 0.95x (NOTES.md, stop 54)."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    try:
+        advise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    except OSError:
+        pass
+
+
 class _Lane:
     """One reader thread's open files and buffers: its own for small blobs and coalesced reads,
     one from the shared pool while it reads a large chunk through scratch memory."""
@@ -82,6 +103,7 @@ class _Lane:
                 raise CorruptCheckpointError(
                     f"data file {path} is missing; it holds '{group.items[0].storage_index.fqn}'"
                 ) from None
+            expect_sequential_reads(fd)
             self.files[group.file] = (fd, os.fstat(fd).st_size)
         return self.files[group.file]
 
