@@ -6,6 +6,8 @@ land where in this rank's tensors (from the checkpoint's DCP ``.metadata`` and e
 headers); ``PlacementFloor.run`` then only moves bytes, in as many threads as dist_ckpt's
 reader has:
 
+* each thread's files are declared read in order (``POSIX_FADV_SEQUENTIAL``), as dist_ckpt's
+  reader threads declare theirs;
 * a stored chunk, or a run of its whole rows, that lands contiguously in a destination is read
   straight into it (``preadv``, 16 MiB per call, each call's bytes hashed with xxh3 while in
   cache);
@@ -38,6 +40,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dist_ckpt.strategies.dcp.chunk_copy import same_size_ints
+from dist_ckpt.strategies.dcp.read_calls import expect_sequential_reads
 from dist_ckpt.strategies.dcp.read_schedule import StealingLanes
 from dist_ckpt.strategies.dcp.record import locate_tensor_data
 
@@ -143,6 +146,7 @@ class PlacementFloor:
                 fd = fds.get(move.path)
                 if fd is None:
                     fd = fds[move.path] = os.open(move.path, os.O_RDONLY)
+                    expect_sequential_reads(fd)  # as dist_ckpt's reader threads do
                 if move.source_view is None:
                     _read(fd, move.target.data.cast("B"), move.offset)
                     continue

@@ -64,9 +64,10 @@ def expect_sequential_reads(fd: int) -> None:
     Why: each reader thread reads its lane of a data file in order, blob after blob, and a larger
     read-ahead keeps more of the lane in flight while the thread hashes and places what arrived.
     Cold loads of 1 GiB on the 2-core VM of the benchmarks, each in turn with the same load
-    unhinted (balanced orders, medians of the rounds' ratios, 12-24 rounds): on 2 ranks the same
-    layout took 0.93x and 0.94x the time, 4 -> 2 ranks 0.85x and 0.79x; on 4 ranks the same
-    layout 1.00x, 2 -> 4 ranks 0.95x (NOTES.md, stop 54)."""
+    unhinted (balanced orders, medians of the rounds' ratios, 12-24 rounds per run): 4 -> 2 ranks
+    took 0.79-0.87x the time (four runs), the same layout on 2 ranks 0.85-1.01x (six runs), on 4
+    ranks 1.00x and 2 -> 4 ranks 0.95x (one run each); in no run was it slower by more than 1%
+    (NOTES.md, stop 54)."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return
