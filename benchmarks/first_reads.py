@@ -1,16 +1,16 @@
 """Is there a cache below the guest? The first cold read of a file after it was written, against
-its later cold reads: a bare-bones experiment, no dist_ckpt.
+its later cold reads: a bare-bones experiment, which uses of dist_ckpt only the benchmarks' cache drop.
 
 Every "cold" load of these benchmarks drops the guest's page cache (``posix_fadvise(DONTNEED)``,
-``dist_ckpt.runtime.durable.drop_page_cache``); nothing here can drop a cache the host keeps below the guest's disk. If
-there is one, a file's first read after it was written comes from below it, and its later cold
-reads from it, and the benchmarks' two designs (``run.py``'s rotation, where each tool reads files
-written just before, and its loads in turn, which read files written once) measure two different
-media. This script writes ``--files`` files of ``--size-mib`` each, one after another (each
-fsynced, then dropped from the guest's cache), and reads every file whole ``--passes`` times in
-order with raw I/O's loop (one thread, ``readinto`` of 2 MiB, as ``run.py``'s raw tool), the
-guest's cache dropped before every read. Printed: each pass's seconds per file, and the median
-of the first pass against the later ones.
+``dist_ckpt.runtime.durable.drop_page_cache``, which this script uses too); nothing here can drop
+a cache the host keeps below the guest's disk. If there is one, a file's first read after it was
+written comes from below it, and its later cold reads from it, and the benchmarks' two designs
+(``run.py``'s rotation, where each tool reads files written just before, and its loads in turn,
+which read files written once) measure two different media. This script writes ``--files``
+files of ``--size-mib`` each, one after another (each fsynced, then dropped from the guest's
+cache), and reads every file whole ``--passes`` times in order with raw I/O's loop (one thread,
+``readinto`` of 2 MiB, as ``run.py``'s raw tool), the guest's cache dropped before every read.
+Printed: each pass's seconds per file, and the median of the first pass against the later ones.
 
     python benchmarks/first_reads.py [--files 8] [--size-mib 1024] [--passes 3] [--dir D] [--json F]
 """
@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 
 import numpy
 
+from dist_ckpt.runtime.durable import drop_page_cache
+
 __all__ = ["write_file", "cold_read", "main"]
 
 PIECE = 2 << 20  # raw I/O's read size
@@ -37,22 +39,21 @@ _BLOCK = 64 << 20  # bytes per write call
 
 def write_file(path: Path, nbytes: int, seed: int) -> None:
     """``nbytes`` of pseudo-random bytes (a different block per file), fsynced, then dropped from
-    the guest's page cache, as a save leaves its files before a cold load."""
-    block = _pattern(min(nbytes, _BLOCK), seed)
+    the guest's page cache (with the other files beside it), as a save leaves its files before a
+    cold load."""
+    block = memoryview(_pattern(min(nbytes, _BLOCK), seed))
     with open(path, "wb") as f:
-        left = nbytes
-        while left:
-            f.write(block[: min(left, len(block))])
-            left -= min(left, len(block))
+        for start in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - start)])
         f.flush()
         os.fsync(f.fileno())
-    _drop(path)
+    drop_page_cache(path.parent)
 
 
 def cold_read(path: Path, buffer: memoryview) -> float:
-    """Seconds to read ``path`` whole with raw I/O's loop, the guest's cache dropped first; the
-    bytes read must be the file's size."""
-    _drop(path)
+    """Seconds to read ``path`` whole with raw I/O's loop, the guest's cache dropped first (for
+    its directory: every read here is a cold one); the bytes read must be the file's size."""
+    drop_page_cache(path.parent)
     size = path.stat().st_size
     got = 0
     start = time.perf_counter()
@@ -70,14 +71,6 @@ def cold_read(path: Path, buffer: memoryview) -> float:
 
 def _pattern(nbytes: int, seed: int) -> bytes:
     return numpy.random.default_rng(seed).integers(0, 256, nbytes, dtype=numpy.uint8).tobytes()
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, object]:
