@@ -24,6 +24,7 @@ import contextvars
 import enum
 import importlib
 import io
+import os
 import pathlib
 import pickle
 import re
@@ -212,7 +213,14 @@ def _refuse_allocating_globals(source: IO[bytes], what: str) -> None:
 def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str,
                     extra_globals: Iterable[Any] = (), **kwargs: Any) -> Any:
     """``torch.load`` to CPU with the allowlist (and ``extra_globals``, the caller's own classes
-    for this load only); ``what`` names the file/item in errors."""
+    for this load only); ``what`` names the file/item in errors.
+
+    The allowlist belongs to this call alone: torch's weights-only defaults, the entries a user
+    gave torch's own ``add_safe_globals`` (read, never changed), dist_ckpt's and the caller's,
+    resolved by a restricted unpickler made for this call (``_restricted_pickle_module``).
+    torch's ``safe_globals`` context manager would add to and remove from one process-global
+    list: a reader thread leaving it removed the entries another thread was unpickling with,
+    and the user's own entries with them."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     if is_trusted_unpickling():
@@ -220,28 +228,64 @@ def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: st
     if isinstance(source, (str, pathlib.Path)):
         source = io.BytesIO(pathlib.Path(source).read_bytes())
     _refuse_allocating_globals(source, what)
-    allowed = get_safe_globals() + list(extra_globals)
-    for attempt in range(2):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
-        except _LOAD_ERRORS as e:
-            enums = _allowed_enums(_unsafe_globals(source)) if attempt == 0 else []
-            if not enums:
-                raise _translate(what, e) from None
-            allowed = allowed + enums
-
-
-def _unsafe_globals(source: Union[str, pathlib.Path, IO[bytes]]) -> List[str]:
+    module = _restricted_pickle_module(torch_load_allowlist(extra_globals))
     try:
-        if hasattr(source, "seek"):
-            source.seek(0)
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(source)
-    except Exception:  # noqa: BLE001 - damaged file: the original error is reported instead
-        names = []
-    if hasattr(source, "seek"):
-        source.seek(0)
-    return names
+        return _torch_load_with(module, source, **kwargs)
+    except _LOAD_ERRORS as e:
+        raise _translate(what, e) from None
+
+
+def torch_load_allowlist(extra_globals: Iterable[Any] = ()) -> Dict[str, Any]:
+    """Full name -> object of everything one ``safe_torch_load`` may resolve, built for it."""
+    return {
+        **_torch_default_globals(),
+        **globals_by_name(torch.serialization.get_safe_globals()),
+        **globals_by_name(get_safe_globals()),
+        **globals_by_name(extra_globals),
+    }
+
+
+def _torch_default_globals() -> Dict[str, Any]:
+    """What torch's weights-only unpickler allows by default (tensors, storages, dtypes, sizes,
+    devices, ordered dicts), with ``bytearray`` bounded to the bytes a file holds."""
+    from torch import _weights_only_unpickler
+
+    allowed = dict(_weights_only_unpickler._get_allowed_globals())
+    allowed["builtins.bytearray"] = _bounded_bytearray
+    return allowed
+
+
+def _bounded_bytearray(source: Any = b"", *args: Any) -> bytearray:
+    """``bytearray`` of bytes or items a file holds, never of a size it names."""
+    if isinstance(source, int):
+        raise pickle.UnpicklingError("bytearray() of a size was refused")
+    return bytearray(source, *args)
+
+
+def _restricted_pickle_module(allowed: Dict[str, Any]) -> types.ModuleType:
+    """A pickle module for ``torch.load(pickle_module=...)`` whose unpickler resolves only
+    ``allowed`` (and the framework enums): made per call, so no other load sees its list."""
+
+    class Unpickler(_RestrictedUnpickler):
+        def __init__(self, file: IO[bytes], **kwargs: Any) -> None:
+            super().__init__(file, allowed, **kwargs)
+
+    module = types.ModuleType("dist_ckpt_restricted_pickle")
+    module.Unpickler = Unpickler  # type: ignore[attr-defined]
+    module.load = lambda file, **kwargs: Unpickler(file, **kwargs).load()  # type: ignore[attr-defined]
+    module.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
+    return module
+
+
+def _torch_load_with(module: types.ModuleType, source: IO[bytes], **kwargs: Any) -> Any:
+    """``torch.load`` through ``module``. Where ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` is set, torch
+    refuses any pickle module (its own global allowlist would be the only way): the zip file
+    is then read by torch's loader under the same restricted module, which is as strict."""
+    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() not in ("1", "y", "yes", "true"):
+        return torch.load(source, map_location="cpu", weights_only=False, pickle_module=module, **kwargs)
+    source.seek(0)
+    with torch.serialization._open_zipfile_reader(source) as zip_file:
+        return torch.serialization._load(zip_file, "cpu", module, encoding="utf-8", **kwargs)
 
 
 def plain_pickle_builtins() -> Dict[str, Any]:
@@ -290,8 +334,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
     a pickler took out as persistent ids come from ``persistent_load``."""
 
     def __init__(self, file: IO[bytes], allowed: Dict[str, Any],
-                 persistent_load: Optional[Callable[[Any], Any]] = None) -> None:
-        super().__init__(file)
+                 persistent_load: Optional[Callable[[Any], Any]] = None, **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
         self._allowed = allowed
         if persistent_load is not None:
             self.persistent_load = persistent_load  # type: ignore[method-assign]
