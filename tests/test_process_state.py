@@ -187,3 +187,171 @@ def test_forced_weights_only_environment_still_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
     got = safe_torch_load(_numpy_blob(), "blob")
     assert _same_rng_state(got[0], _rng_like_state(3))
+
+
+# -- 2. every process-global state a save or load touches is left as found ---------------------
+
+
+def _process_state() -> Dict[str, Any]:
+    """Everything process-global a checkpoint library might borrow."""
+    import random
+    import sys
+
+    dist_logger = logging.getLogger("dist_ckpt")
+    return {
+        "torch safe globals": set(torch.serialization.get_safe_globals()),
+        "gc enabled": gc.isenabled(),
+        "SIGINT handler": signal.getsignal(signal.SIGINT),
+        "SIGTERM handler": signal.getsignal(signal.SIGTERM),
+        "torch threads": (torch.get_num_threads(), torch.get_num_interop_threads()),
+        "environment": dict(os.environ),
+        "root logger": (logging.root.level, list(logging.root.handlers)),
+        "dist_ckpt logger": (dist_logger.level, list(dist_logger.handlers), dist_logger.propagate, dist_logger.disabled),
+        "warning filters": list(warnings.filters),
+        "torch default dtype": torch.get_default_dtype(),
+        "torch RNG": torch.get_rng_state(),
+        "numpy RNG": np.random.get_state()[1].copy(),
+        "python RNG": random.getstate(),
+        "switch interval": sys.getswitchinterval(),
+        "working directory": os.getcwd(),
+    }
+
+
+def _assert_same_state(before: Dict[str, Any], after: Dict[str, Any]) -> None:
+    for name, was in before.items():
+        now = after[name]
+        same = torch.equal(was, now) if isinstance(was, torch.Tensor) else (
+            np.array_equal(was, now) if isinstance(was, np.ndarray) else was == now)
+        assert same, f"{name} changed: {was!r} -> {now!r}"
+
+
+def _save_and_load(directory: Path, value: float) -> None:
+    state = _objects_checkpoint_state(value)
+    dist_ckpt.save(state, str(directory))
+    request = _objects_request(4)
+    request["w"] = ShardedTensor.from_rank_offsets("w", torch.empty(8, 8, dtype=torch.bfloat16))
+    loaded = dist_ckpt.load(request, str(directory))
+    assert torch.equal(loaded["w"], state["w"].data)
+    assert _same_rng_state(loaded["rng_3"], state["rng_3"].data)
+
+
+def _objects_checkpoint_state(value: float) -> Dict[str, Any]:
+    state: Dict[str, Any] = {f"rng_{i}": ShardedObject(f"rng_state_{i}", _rng_like_state(i), (1,), (0,))
+                             for i in range(4)}
+    state["w"] = ShardedTensor.from_rank_offsets("w", torch.full((8, 8), value, dtype=torch.bfloat16))
+    return state
+
+
+def test_a_save_and_a_load_leave_the_process_as_found(tmp_path):
+    _save_and_load(tmp_path / "warm", 0.0)  # first-use caches (strategies, dtypes) filled
+    before = _process_state()
+    _save_and_load(tmp_path / "a", 1.0)
+    request = dist_ckpt.save(_objects_checkpoint_state(2.0), str(tmp_path / "async"), async_sharded_save=True)
+    request.execute_sync()
+    dist_ckpt.load({"rng_0": ShardedObject("rng_state_0", None, (1,), (0,))}, str(tmp_path / "async"))
+    _assert_same_state(before, _process_state())
+
+
+def test_two_saves_and_loads_in_two_threads_leave_the_process_as_found(tmp_path):
+    """Looped: what two threads borrow and give back in the other order is where it goes wrong."""
+    _save_and_load(tmp_path / "warm", 0.0)
+    before = _process_state()
+    for round_ in range(6):
+        errors = _in_threads(2, lambda i: _save_and_load(tmp_path / f"r{round_}_{i}", float(i)))
+        assert not errors, f"round {round_}: {errors[0]!r}"
+        _assert_same_state(before, _process_state())
+
+
+def test_overlapping_gc_pauses_hold_until_the_last_one_ends():
+    """Load A pauses collection, load B (another thread) pauses it too, A ends: B must still run
+    without collection, and once B ends collection is on as the process had it."""
+    assert gc.isenabled()
+    a_in, b_in, a_out, b_may_leave = (threading.Event() for _ in range(4))
+    seen: Dict[str, bool] = {}
+
+    def load_a() -> None:
+        with gc_paused():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def load_b() -> None:
+        a_in.wait(10)
+        with gc_paused():
+            b_in.set()
+            a_out.wait(10)
+            seen["during B, after A ended"] = gc.isenabled()
+            b_may_leave.wait(10)
+
+    threads = [threading.Thread(target=load_a), threading.Thread(target=load_b)]
+    for t in threads:
+        t.start()
+    a_out.wait(10)
+    b_may_leave.set()
+    for t in threads:
+        t.join(10)
+    assert seen == {"during B, after A ended": False}
+    assert gc.isenabled()
+
+
+def test_overlapping_gc_pauses_leave_collection_off_when_the_user_had_it_off():
+    gc.disable()
+    try:
+        entered, leave = threading.Event(), threading.Event()
+
+        def other_thread() -> None:
+            with gc_paused():
+                entered.set()
+                leave.wait(10)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        entered.wait(10)
+        with gc_paused():
+            pass
+        leave.set()
+        thread.join(10)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_no_save_or_load_swaps_the_warning_filters(tmp_path, monkeypatch):
+    """``warnings.catch_warnings`` replaces the process's filter list and puts back a copy: a
+    filter another thread adds meanwhile is lost. No dist_ckpt code enters it."""
+    import sys
+
+    from dist_ckpt.strategies.dcp import record
+
+    record._storage_class.cache_clear()
+    original = warnings.catch_warnings
+    callers: List[str] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        callers.append(sys._getframe(1).f_globals.get("__name__", "?"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(warnings, "catch_warnings", recording)
+    state = {f"t_{dtype}": ShardedTensor.from_rank_offsets(f"t_{dtype}", torch.ones(4, dtype=dtype))
+             for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool)}
+    dist_ckpt.save(state, str(tmp_path / "ckpt"))
+    dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v.data)) for k, v in state.items()},
+                   str(tmp_path / "ckpt"))
+    assert not [c for c in callers if c.startswith("dist_ckpt")], callers
+
+
+def test_a_save_from_a_thread_other_than_main_keeps_every_signal_handler(tmp_path):
+    """Only the main thread may install signal handlers; a save elsewhere neither fails nor
+    changes them, and one in the main thread puts back the very handler it found."""
+    def users_handler(signum: int, frame: Any) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGINT, users_handler)
+    try:
+        errors = _in_threads(1, lambda i: _save_and_load(tmp_path / "thread", 1.0))
+        assert not errors, repr(errors[0])
+        assert signal.getsignal(signal.SIGINT) is users_handler
+        _save_and_load(tmp_path / "main", 2.0)
+        assert signal.getsignal(signal.SIGINT) is users_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

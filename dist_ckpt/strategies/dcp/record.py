@@ -29,7 +29,6 @@ import math
 import pickle
 import struct
 import threading
-import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -69,14 +68,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 @functools.lru_cache(maxsize=None)
 def _storage_class(dtype: torch.dtype) -> Optional[Any]:
     """The legacy storage class torch.save names in data.pkl for ``dtype`` (torch.FloatStorage...);
-    None for the dtypes that have none (float8, uint16...), which torch pickles by bytes."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            name = torch.storage.TypedStorage(dtype=dtype, device="cpu")._pickle_storage_type()
-        except KeyError:
-            return None
-    return getattr(torch, name)
+    None for the dtypes that have none (float8, uint16...), which torch pickles by bytes.
+
+    Read from torch's table, not from ``TypedStorage._pickle_storage_type``: that one warns
+    (TypedStorage is deprecated), and silencing it takes ``warnings.catch_warnings``, which swaps
+    the process's warning filters and races with every other thread that touches them."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return getattr(torch, name) if name is not None else None
 
 
 class _StorageRef:
