@@ -16,7 +16,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Tuple, Type, Union
 
 from .runtime.durable import atomic_write_bytes
 
@@ -52,7 +52,24 @@ PathLike = Union[str, os.PathLike]
 
 
 class CheckpointingException(Exception):
-    """Base class of every error dist_ckpt raises (same name as in Megatron-Core)."""
+    """Base class of every error dist_ckpt raises (same name as in Megatron-Core).
+
+    Errors travel between ranks pickled (a failure on one rank is raised on all). Python
+    rebuilds an unpickled exception by calling its class with ``args``; a subclass whose
+    constructor builds the message from other arguments would then wrap the message in itself
+    again. So every error of ours is rebuilt without its constructor: the same class, ``args``
+    and attributes as were raised."""
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (_rebuilt_exception, (type(self), self.args, dict(vars(self))))
+
+
+def _rebuilt_exception(cls: Type[BaseException], args: Tuple[Any, ...], attributes: Dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with these ``args`` and attributes, its ``__init__`` not called."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    vars(exc).update(attributes)
+    return exc
 
 
 class CheckpointNotFoundError(CheckpointingException, FileNotFoundError):

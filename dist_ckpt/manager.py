@@ -398,7 +398,7 @@ class CheckpointManager:
         if step is not None:
             result = load(sharded_state_dict, self.location.checkpoint(checkpoint_dir_name(step)),
                           **self._storage_kwargs(), **load_kwargs)
-            self._loaded(step)
+            self._loaded(step, tier="persistent")
             return result  # type: ignore[return-value]
         failures = []
         candidates = self._coordinators_candidates()
@@ -416,7 +416,7 @@ class CheckpointManager:
                                    local_step, e)
                     failures.append(f"local step {local_step}: {e}")
                 else:
-                    self.loaded_step, self.loaded_tier = local_step, "local"
+                    self._loaded(local_step, tier="local")
                     return result
         for candidate in candidates:
             name = checkpoint_dir_name(candidate)
@@ -441,18 +441,22 @@ class CheckpointManager:
                 logger.warning("cannot load %s (%s); trying the next older checkpoint", directory, why)
                 failures.append(f"{name}: {why}")
                 continue
-            self._loaded(candidate)
+            self._loaded(candidate, tier="persistent")
             return outcome
         raise CheckpointNotFoundError(
             f"no loadable checkpoint in {self.root}" + (f": {'; '.join(failures)}" if failures else
                                                          " (no committed iter_XXXXXXX directory, no tracker)"))
 
-    def _loaded(self, step: Step) -> None:
+    def _loaded(self, step: Step, tier: str) -> None:
+        """Every rank, after a load of ``step`` from ``tier``: the run resumes from it, whichever
+        tier served it. Local parts of later steps belong to a branch the run left (a save the
+        kill cut short, complete on some ranks only, or a rollback): they go, or the resumed
+        run's save of such a step would find its own old part and refuse to replace it."""
         self.loaded_step = step
-        self.loaded_tier = "persistent"
+        self.loaded_tier = tier
         self._resumed_from = step
         if self.local is not None and isinstance(step, int):
-            self.local.discard_newer_than(step)  # a newer local step belongs to a branch this run left
+            self.local.discard_newer_than(step)
 
     def close(self) -> None:
         """Wait for pending saves and stop the background writer."""

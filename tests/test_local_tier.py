@@ -749,3 +749,59 @@ def test_manager_resumes_from_tmpfs_after_every_rank_was_killed(tmp_path):
         assert seen["other_layout"] == (4, "persistent")
     persistent = os.listdir(tmp_path / "persistent")
     assert "iter_0000004" in persistent and not any(n.startswith("iter_") and n != "iter_0000004" for n in persistent)
+
+
+def _train_then_die_after_one_rank_finished_the_next_part(rank: int, world: int, root: str, shm: str) -> None:
+    """Steps 1-5 saved (5 locally); of step 6 only rank 0's own part exists when every rank is
+    killed: rank 0 finished writing it, rank 1 had not."""
+    import shutil as _shutil
+    import signal
+
+    import torch.distributed as dist
+
+    manager = _manager(root, shm)
+    for step in range(1, 6):
+        manager.save(step, _state(rank, world, step))
+        manager.maybe_finalize()
+    manager.wait()
+    if rank == 0:
+        local = manager.local.manager
+        own = local._local_ckpt_path_from_id((5, 0, local.session_id))
+        _shutil.copyfile(own, local._local_ckpt_path_from_id((6, 0, local.session_id)))
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _resume_then_save_the_next_step(rank: int, world: int, root: str, shm: str) -> dict:
+    manager = _manager(root, shm)
+    loaded = manager.load(_request(rank, world))
+    seen = {"resumed": (manager.loaded_step, manager.loaded_tier)}
+    _check_restored(loaded, rank, world, 5)
+    manager.save(6, _state(rank, world, 60))  # the resumed job's first save: the step the kill cut
+    manager.wait()
+    again = _manager(root, shm)
+    loaded = again.load(_request(rank, world))
+    seen["after"] = (again.loaded_step, again.loaded_tier)
+    _check_restored(loaded, rank, world, 60)
+    manager.close()
+    again.close()
+    return seen
+
+
+@pytest.mark.slow
+def test_the_first_save_after_a_local_resume_replaces_a_part_of_the_abandoned_step(tmp_path):
+    """A part of step 6 that one rank finished before the kill belongs to no complete step; the
+    job resumed from local step 5 must save step 6 (it raised SameMachineReplicationException on
+    every rank: the local resume never discarded the newer parts)."""
+    from dist_ckpt.runtime.launch import run_processes
+
+    shm = f"/dev/shm/dist_ckpt_test_{os.getpid()}_{tmp_path.name}"
+    try:
+        outcomes = run_processes(_train_then_die_after_one_rank_finished_the_next_part, 2, str(tmp_path), shm,
+                                 deadline_s=300)
+        assert [o.exitcode for o in outcomes] == [-9, -9]
+        results = run_distributed(_resume_then_save_the_next_step, 2, str(tmp_path), shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    assert [r["resumed"] for r in results] == [(5, "local")] * 2
+    assert [r["after"] for r in results] == [(6, "local")] * 2
