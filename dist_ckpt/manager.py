@@ -325,10 +325,29 @@ class CheckpointManager:
         for s in sorted(newest):
             if s in keep or s == tracked or s in in_flight or s == self._resumed_from:
                 continue
-            # the files dist_ckpt wrote, metadata.json first; the directory only if then empty
+            # renamed aside, then the files dist_ckpt wrote; other tools' files stay at the name
             self.location.remove_checkpoint(checkpoint_dir_name(s))
             removed.append(s)
+        self._remove_what_kills_left(in_flight)
         return removed
+
+    def _remove_what_kills_left(self, in_flight: List[Step]) -> None:
+        """The coordinator, after retention: what killed saves and deletions left in the root.
+        Interrupted deletions and stale temporary files (``RunRoot.remove_leftovers``), and
+        ``iter_XXXXXXX`` directories that hold checkpoint data but no ``metadata.json`` and are
+        no save of this run in flight: every save is staged aside and committed whole, so such
+        a directory is a deletion cut short (by an older version, or at a URL, where a removal
+        takes the pointer first) and can never load."""
+        removed = self.location.remove_leftovers()
+        committed = set(self.location.committed())
+        pending = {checkpoint_dir_name(s) for s in in_flight} | {checkpoint_dir_name(s) for s in self._pending}
+        for name in self.location.entries():
+            if _ITER_DIR.match(name) and name not in committed and name not in pending \
+                    and self.location.holds_checkpoint_data(name):
+                self.location.remove_checkpoint(name)
+                removed.append(name)
+        if removed:
+            logger.info("removed what interrupted saves or deletions left in %s: %s", self.root, ", ".join(removed))
 
     # -- what is there -------------------------------------------------------------------------
 

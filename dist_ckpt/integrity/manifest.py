@@ -70,6 +70,7 @@ __all__ = [
     "load_manifest",
     "manifest_given",
     "write_manifest",
+    "manifest_bytes",
     "update_manifest",
     "verification",
     "verification_enabled",
@@ -81,12 +82,14 @@ __all__ = [
 
 MANIFEST_FNAME = "dist_ckpt_manifest.json"
 MANIFEST_FORMAT = "dist_ckpt-manifest"
-# 3: an entry may have a sixth field, its BlockHashes; written only when one has (so a checkpoint
-# of small tensors stays readable by dist_ckpt versions that read 2).
+# 4: the document ends with ``"manifest_hash"``, the hash of every byte before that field (its
+# own damage - a block hash, a key label - is found as such, not blamed on the data).
+# 3: an entry may have a sixth field, its BlockHashes.
 # 2: entries as [file, offset, length, hash, key] arrays; 1 (dicts) is still read
-MANIFEST_VERSION = 3
-_BASE_VERSION = 2
-_READABLE_VERSIONS = (1, 2, 3)
+MANIFEST_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
+_SELF_HASH_FIELD = b',"manifest_hash":"'
+_SELF_HASH_FIELD_LENGTH = len(_SELF_HASH_FIELD) + 16 + 2  # the field, its 16 hex digits, '"}' 
 # ~60 bytes an entry: room for tens of millions of entries (one per item of every rank)
 _MAX_MANIFEST_BYTES = 4 << 30
 
@@ -103,15 +106,17 @@ class Manifest:
     entries: Dict[Tuple[str, int], ManifestEntry]
     files: Dict[str, List[ManifestEntry]]
     partial: bool = False
+    #: the file's own hash did not match its content (version 4): its hashes may be wrong
+    damaged: bool = False
 
     @classmethod
-    def from_entries(cls, entries: List[ManifestEntry], partial: bool = False) -> "Manifest":
+    def from_entries(cls, entries: List[ManifestEntry], partial: bool = False, damaged: bool = False) -> "Manifest":
         by_range: Dict[Tuple[str, int], ManifestEntry] = {}
         files: Dict[str, List[ManifestEntry]] = {}
         for e in entries:
             by_range[(e.file, e.offset)] = e
             files.setdefault(e.file, []).append(e)
-        return cls(by_range, files, partial)
+        return cls(by_range, files, partial, damaged)
 
     def part(self, files: Iterable[str], ranges: Iterable[Tuple[str, int]] = ()) -> "Manifest":
         """A partial manifest with the entries of ``files`` (those this manifest lists) and those
@@ -202,13 +207,27 @@ def _row(e: ManifestEntry) -> List[Any]:
 
 
 def write_manifest(checkpoint_dir: Path, entries: List[ManifestEntry]) -> None:
-    """One compact JSON document (C encoder, rows not dicts: millions of entries in seconds).
-    Version 3 only when an entry has block hashes: version 2 otherwise, which older dist_ckpt
-    versions read too."""
+    """One compact JSON document (C encoder, rows not dicts: millions of entries in seconds),
+    ending with its own hash (``manifest_bytes``)."""
+    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest_bytes(entries))
+
+
+def manifest_bytes(entries: List[ManifestEntry]) -> bytes:
+    """The manifest document: entries sorted by (file, offset), then ``"manifest_hash"``, the
+    hash of every byte before that field."""
     rows = sorted((_row(e) for e in entries), key=lambda r: (r[0], r[1]))
-    version = MANIFEST_VERSION if any(len(r) > 5 for r in rows) else _BASE_VERSION
-    content = {"format": MANIFEST_FORMAT, "version": version, "hash": HASH_ALGORITHM, "entries": rows}
-    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, json.dumps(content, separators=(",", ":")).encode())
+    content = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "hash": HASH_ALGORITHM, "entries": rows}
+    body = json.dumps(content, separators=(",", ":")).encode()[:-1]  # without its closing brace
+    return body + _SELF_HASH_FIELD + hash_bytes(body).encode() + b'"}'
+
+
+def _self_hash_matches(raw: bytes) -> Optional[bool]:
+    """Whether a version-4 document's own hash matches the bytes before it; None when it ends
+    without the field (the caller reports the version's absence of it)."""
+    at = len(raw) - _SELF_HASH_FIELD_LENGTH
+    if at < 0 or raw[at: at + len(_SELF_HASH_FIELD)] != _SELF_HASH_FIELD or not raw.endswith(b'"}'):
+        return None
+    return hash_bytes(raw[:at]).encode() == raw[at + len(_SELF_HASH_FIELD): -2]
 
 
 def _entry_fields(e: Any, version: int) -> Optional[Tuple[Any, ...]]:
@@ -256,9 +275,20 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
             f"{where}: manifest version {content.get('version')!r} / hash {content.get('hash')!r} is not "
             f"supported (expected one of {_READABLE_VERSIONS} / {HASH_ALGORITHM}); upgrade dist_ckpt"
         )
-    unknown = set(content) - {"format", "version", "hash", "entries"}
+    unknown = set(content) - {"format", "version", "hash", "entries"} - ({"manifest_hash"} if version >= 4 else set())
     if unknown:
         raise CorruptCheckpointError(f"{where}: unknown fields {sorted(unknown)}")
+    damaged = False
+    if version >= 4:
+        matches = _self_hash_matches(raw)
+        if matches is None:
+            raise CorruptCheckpointError(f"{where}: a version {version} manifest must end with its own hash "
+                                         f"(manifest_hash); the file is damaged")
+        if not matches:
+            damaged = True
+            logger.warning("%s is damaged: its own hash does not match its content. Its checksums may be wrong: "
+                           "a mismatch is checked against the whole entry before the data is blamed; "
+                           "`dist-ckpt validate` reports what else is wrong", where)
     raw_entries = content.get("entries")
     if not isinstance(raw_entries, list):
         raise CorruptCheckpointError(f"{where}: 'entries' must be a list")
@@ -276,7 +306,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         if blocks is None:
             raise CorruptCheckpointError(f"{where}: entry {i} has malformed block hashes: {str(extra)[:200]}")
         entries[i] = entries[i]._replace(blocks=blocks)
-    return Manifest.from_entries(entries)
+    return Manifest.from_entries(entries, damaged=damaged)
 
 
 def _are_hashes(hashes: List[Any]) -> bool:
@@ -446,9 +476,15 @@ def check_digest(checkpoint_dir: Union[str, os.PathLike], file: str, offset: int
     """``length`` bytes read at ``offset`` of ``file`` hashed to ``digest``: they must match ``entry``."""
     if entry.length != length or digest != entry.hash:
         label = what or (entry.key if entry.key else file)
+        try:
+            whole = _manifest_on_disk(checkpoint_dir) if os.path.isdir(checkpoint_dir) else None
+        except CorruptCheckpointError:
+            whole = None
+        culprit = (f"the file or {MANIFEST_FNAME}, which is damaged itself (its own hash does not match)"
+                   if whole is not None and whole.damaged else "the file")
         raise CorruptCheckpointError(
             f"{Path(checkpoint_dir) / file}: checksum mismatch for {label} at bytes [{offset}, "
-            f"{offset + entry.length}) (read {length} bytes); the file is damaged"
+            f"{offset + entry.length}) (read {length} bytes); {culprit} is damaged"
         )
 
 

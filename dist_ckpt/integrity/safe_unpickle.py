@@ -191,8 +191,8 @@ def _refuse_allocating_globals(source: IO[bytes], what: str) -> None:
         with zipfile.ZipFile(source) as zf:
             names = [n for n in zf.namelist() if n.endswith("data.pkl")]
             pickled = zf.read(names[0]) if len(names) == 1 else None
-    except (zipfile.BadZipFile, OSError, KeyError, ValueError):
-        pickled = None  # not a zip (legacy format) or damaged: torch.load reports it
+    except Exception:  # noqa: BLE001 - not a zip (legacy format) or damaged (EOFError, zlib.error...): torch.load reports it
+        pickled = None
     finally:
         source.seek(0)
     # GLOBAL names are plain text in the (decompressed) pickle: without these words, nothing to scan.

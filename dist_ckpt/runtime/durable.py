@@ -9,10 +9,18 @@ module that writes goes through these three functions. No dist_ckpt imports: thi
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
-from typing import Union
+from typing import Optional, Tuple, Union
 
-__all__ = ["fsync_path", "fsync_directory", "atomic_write_bytes", "drop_page_cache"]
+__all__ = ["fsync_path", "fsync_directory", "atomic_write_bytes", "drop_page_cache", "TEMPORARY_MARK",
+           "temporary_name_for", "temporary_owner"]
+
+#: In the name of every temporary file dist_ckpt writes before renaming it into place:
+#: ``.<name>.dist_ckpt-tmp-<host>-<pid>``. A kill before the rename leaves it; the name says it
+#: is ours and which process on which host wrote it, so cleanup removes only our own, and only
+#: once that process is gone (``storage.leftovers.stale_temporaries``).
+TEMPORARY_MARK = ".dist_ckpt-tmp-"
 
 PathLike = Union[str, os.PathLike]
 
@@ -29,15 +37,36 @@ def fsync_path(path: PathLike) -> None:
 fsync_directory = fsync_path  # the name that says why at the call sites that fsync a directory
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+def temporary_name_for(path: PathLike) -> Path:
+    """Where ``path`` is written before it is renamed into place (``TEMPORARY_MARK``)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return path.with_name(f".{path.name}{TEMPORARY_MARK}{socket.gethostname()}-{os.getpid()}")
+
+
+def temporary_owner(name: str) -> Optional[Tuple[str, int]]:
+    """(host, pid) of the process that wrote a temporary file of this name; None if the name
+    is not one of ours."""
+    if not name.startswith(".") or TEMPORARY_MARK not in name:
+        return None
+    host, _, pid = name.rsplit(TEMPORARY_MARK, 1)[1].rpartition("-")
+    return (host, int(pid)) if host and pid.isdigit() else None
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one. A
+    failed write (a full disk) removes its temporary file; a killed one leaves it under a name
+    cleanup recognises (``temporary_name_for``)."""
+    path = Path(path)
+    tmp = temporary_name_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_directory(path.parent)
 
 

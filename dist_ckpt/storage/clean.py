@@ -1,9 +1,12 @@
-"""After an interrupted save: put a moved-aside checkpoint back, dispose of the rest.
+"""After an interrupted save or deletion: put a moved-aside checkpoint back, dispose of the rest.
 
 ``recover`` and the disposal run under the target's save lock: at once after a failed commit,
-at the start of the next save of the target (``commit.begin_save``), and in ``dist-ckpt clean``.
-A moved-aside checkpoint is never deleted while no checkpoint is at its target; any file of
-another tool in a leftover goes to the target before the leftover is removed.
+at the start of the next save of the target (``commit.begin_save``), in ``dist-ckpt clean``, and
+in a run's retention (``clean_inside``). A moved-aside checkpoint is never deleted while no
+checkpoint is at its target; any file of another tool in a leftover goes to the target before
+the leftover is removed. Deletions go through a rename aside (``remove_checkpoint``), so a kill
+in the middle of one leaves a leftover of a recognised name, never a directory that lost its
+``metadata.json`` but kept its data. Temporary files of atomic writes whose writer is gone go too.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from ..runtime.interrupts import interrupts_deferred
 from .entries import checkpoint_entries, move_back_foreign_entries
 from .formats import foreign_checkpoint_at
 from .leftovers import (
+    DELETING_MARK,
     LOCK_MARK,
     OLD_MARK,
     STAGING_MARK,
     is_committed,
     is_dist_ckpt_leftover,
+    deleting_dir_for,
+    deletions_beside,
     leftovers_beside,
     leftovers_of,
+    stale_temporaries,
 )
 from .lock import ConcurrentSaveError, SaveLock
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["recover", "disposable_leftovers", "dispose_leftover", "clean"]
+__all__ = ["recover", "disposable_leftovers", "dispose_leftover", "clean", "clean_inside", "remove_checkpoint"]
 
 
 def dispose_leftover(leftover: Path, target: Path) -> None:
@@ -49,7 +56,22 @@ def _dispose(leftover: Path, target: Path) -> None:
         target.mkdir(exist_ok=True)
         move_back_foreign_entries(leftover, target, ours | checkpoint_entries(target),
                                    old_wins=OLD_MARK in leftover.name)
+        logger.info("kept %s: it holds files dist_ckpt did not write (%s)", target, ", ".join(sorted(foreign)[:5]))
     shutil.rmtree(leftover, ignore_errors=True)
+
+
+def remove_checkpoint(directory: Path) -> None:
+    """Delete the checkpoint at ``directory`` (committed or not), keeping other tools' files
+    there. Crash-safe: one rename takes it aside (``.<name>.dist_ckpt-deleting-<host>-<pid>``),
+    out of the committed set and out of its name at once, then the aside copy is removed. A kill
+    after the rename leaves a leftover that the next ``clean`` or retention finishes; before it,
+    the checkpoint is still whole."""
+    if not directory.is_dir():
+        return
+    aside = deleting_dir_for(directory)
+    os.rename(directory, aside)
+    fsync_directory(directory.parent)
+    dispose_leftover(aside, directory)
 
 
 
@@ -105,35 +127,60 @@ def disposable_leftovers(target: Path) -> List[Path]:
 
 
 def clean(path: Path) -> List[Path]:
-    """Remove what interrupted saves left beside ``path`` (a checkpoint, existing or not) and,
-    if ``path`` is a directory, beside every checkpoint in it. Leftovers whose save is still
-    running (its lock is held) are kept; files of other tools in them go to the target first.
-    Returns what was removed; raises ``CheckpointNotFoundError`` for a path that is not there
-    and has no leftovers (a typo should not look like a clean directory)."""
+    """Remove what interrupted saves and deletions left beside ``path`` (a checkpoint, existing
+    or not) and, if ``path`` is a directory, beside every checkpoint in it, with our temporary
+    files whose writer is gone. Leftovers whose save is still running (its lock is held) are
+    kept; files of other tools in them go to the target first. Returns what was removed; raises
+    ``CheckpointNotFoundError`` for a path that is not there and has no leftovers (a typo should
+    not look like a clean directory)."""
     path = Path(os.path.abspath(path))
-    if not os.path.lexists(path) and not leftovers_beside(path):
+    if not os.path.lexists(path) and not leftovers_beside(path) and not leftovers_of(path, DELETING_MARK):
         raise CheckpointNotFoundError(f"{path} does not exist, and no interrupted save of it left anything beside it: "
                                       f"nothing to clean (check the path)")
     if os.path.lexists(path) and not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is not a directory; give a checkpoint directory or a directory of "
                                       f"checkpoints")
-    targets = [path]
-    if path.is_dir() and not is_committed(path):
-        names = {p.name.split(STAGING_MARK)[0].split(OLD_MARK)[0].split(LOCK_MARK)[0][1:]
-                 for p in path.iterdir() if is_dist_ckpt_leftover(p)}
-        targets += [path / n for n in sorted(names)]
+    removed = _clean_target(path)
+    if path.is_dir():
+        removed += _remove_stale_temporaries(path)
+        if not is_committed(path):
+            removed += clean_inside(path)
+    return removed
+
+
+def clean_inside(directory: Path) -> List[Path]:
+    """``clean`` of every checkpoint in ``directory`` (a run's root) that left something beside
+    it, and of the directory's stale temporary files; nothing is created or locked outside it."""
+    names = {p.name.split(STAGING_MARK)[0].split(OLD_MARK)[0].split(LOCK_MARK)[0].split(DELETING_MARK)[0][1:]
+             for p in directory.iterdir() if is_dist_ckpt_leftover(p)}
     removed: List[Path] = []
-    for target in targets:
-        try:
-            lock = SaveLock(target)
-        except ConcurrentSaveError:
-            logger.warning("a save of %s is running; its staging directory is kept", target)
-            continue
-        try:
-            recover(target)
-            for leftover in disposable_leftovers(target):
-                dispose_leftover(leftover, target)
-                removed.append(leftover)
-        finally:
-            lock.release()
+    for name in sorted(names):
+        removed += _clean_target(directory / name)
+    for entry in sorted(directory.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and not is_dist_ckpt_leftover(entry):
+            removed += _remove_stale_temporaries(entry)
+    return removed + _remove_stale_temporaries(directory)
+
+
+def _clean_target(target: Path) -> List[Path]:
+    try:
+        lock = SaveLock(target)
+    except ConcurrentSaveError:
+        logger.warning("a save of %s is running; its staging directory is kept", target)
+        return []
+    removed: List[Path] = []
+    try:
+        recover(target)
+        for leftover in disposable_leftovers(target) + deletions_beside(target):
+            dispose_leftover(leftover, target)
+            removed.append(leftover)
+    finally:
+        lock.release()
+    return removed
+
+
+def _remove_stale_temporaries(directory: Path) -> List[Path]:
+    removed = stale_temporaries(directory)
+    for path in removed:
+        path.unlink(missing_ok=True)
     return removed

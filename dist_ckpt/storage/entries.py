@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 _CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME}
-_CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|\..+\.tmp-\d+)$")  # DCP data, our atomic-write temps
+# DCP data, our atomic-write temporaries (``runtime.durable.TEMPORARY_MARK``; ``.tmp-<pid>`` of old versions)
+_CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|\..+\.tmp-\d+|\..+\.dist_ckpt-tmp-.+-\d+)$")
 _ARRAY_OR_OBJECT_FILE_RE = re.compile(r"^(\.zarray|\.zattrs|\.zgroup|\d+(\.\d+)*|shard_[\d.]*_[\d.-]*\.pt)$")
 
 

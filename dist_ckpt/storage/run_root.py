@@ -2,8 +2,9 @@
 ``CheckpointManager`` uses it: small files (the tracker, the commit order), which checkpoints
 are committed, and the removal of one checkpoint's own files.
 
-Local roots write small files atomically (write, fsync, rename) and remove a checkpoint's files
-``metadata.json`` first. URL roots (``s3://bucket/run``) do the same through the object store:
+Local roots write small files atomically (write, fsync, rename) and remove a checkpoint by
+renaming it aside first (``storage.clean.remove_checkpoint``: a kill leaves a leftover that the
+next retention or ``clean`` finishes, never a directory of data without ``metadata.json``). URL roots (``s3://bucket/run``) do the same through the object store:
 a small file is one PUT (readers see it whole or not at all), a checkpoint is committed when its
 ``iter_XXXXXXX/metadata.json`` pointer exists, and removal deletes that pointer first, then the
 checkpoint's save directories and checkpoint files, never other objects.
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Union
 
 from ..core import CONFIG_FNAME, CheckpointNotFoundError
 from ..runtime.durable import atomic_write_bytes, fsync_directory
+from .clean import clean_inside, remove_checkpoint
 from .entries import checkpoint_entries, checkpoint_entries_of
 from .object_store import SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
 
@@ -63,8 +64,18 @@ class RunRoot(ABC):
 
     @abstractmethod
     def remove_checkpoint(self, name: str) -> None:
-        """Remove the files dist_ckpt wrote for checkpoint ``name``, ``metadata.json`` first (a
-        reader then sees an incomplete checkpoint, never a damaged complete one)."""
+        """Remove the files dist_ckpt wrote for checkpoint ``name``, committed or not, so that a
+        reader sees the whole checkpoint or none of it (never a damaged complete one), and a
+        kill in the middle leaves nothing the next ``remove_leftovers`` does not find."""
+
+    @abstractmethod
+    def holds_checkpoint_data(self, name: str) -> bool:
+        """Whether ``name`` holds files a checkpoint consists of (committed or not)."""
+
+    @abstractmethod
+    def remove_leftovers(self) -> List[str]:
+        """Remove what interrupted saves and deletions left in the root (their processes gone);
+        what was removed."""
 
 
 class LocalRunRoot(RunRoot):
@@ -100,20 +111,16 @@ class LocalRunRoot(RunRoot):
         return (self.root / name / CONFIG_FNAME).is_file()
 
     def remove_checkpoint(self, name: str) -> None:
+        remove_checkpoint(self.root / name)
+
+    def holds_checkpoint_data(self, name: str) -> bool:
         directory = self.root / name
-        (directory / CONFIG_FNAME).unlink(missing_ok=True)
-        fsync_directory(directory)
-        for entry in sorted(checkpoint_entries(directory)):
-            path = directory / entry
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-        try:
-            directory.rmdir()
-        except OSError:
-            logger.info("kept %s: it holds files dist_ckpt did not write (%s)", directory,
-                        ", ".join(sorted(os.listdir(directory))[:5]))
+        return directory.is_dir() and bool(checkpoint_entries(directory))
+
+    def remove_leftovers(self) -> List[str]:
+        if not self.root.is_dir():
+            return []
+        return [str(p) for p in clean_inside(self.root)]
 
 
 class UrlRunRoot(RunRoot):
@@ -180,6 +187,21 @@ class UrlRunRoot(RunRoot):
         kept = sorted(set(rel) - {d[len(prefix):].lstrip("/") for d in doomed})
         if kept:
             logger.info("kept %s/%s's objects dist_ckpt did not write (%s)", self.url, name, ", ".join(kept[:5]))
+
+    def holds_checkpoint_data(self, name: str) -> bool:
+        loc = self._loc()
+        prefix = loc.child(name)
+        try:
+            found = loc.call(f"listing {name}", "find", prefix)
+        except CheckpointNotFoundError:
+            return False
+        rel = [p[len(prefix):].lstrip("/") for p in found]
+        return any(r.startswith(SAVE_DIR_PREFIX) for r in rel) or bool(checkpoint_entries_of(rel))
+
+    def remove_leftovers(self) -> List[str]:
+        """An object store has no renames and no temporary files: a removal cut short leaves a
+        prefix without its pointer, which the manager removes as an uncommitted checkpoint."""
+        return []
 
 
 def open_run_root(root: Union[str, os.PathLike], storage_options: Optional[Mapping[str, Any]] = None) -> RunRoot:

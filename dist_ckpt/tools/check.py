@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Union
+from typing import BinaryIO, Callable, Iterable, List, Optional, Union, cast
 
 from ..core import CONFIG_FNAME, CheckpointingException
-from ..integrity.manifest import MANIFEST_FNAME, Manifest, hash_bytes, load_manifest, verification
+from ..integrity.manifest import MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, hash_bytes, load_manifest, verification
 from ..mapping import ShardedObject
 from ..runtime.timing import phase
 from ..serialization import load_sharded_metadata
@@ -103,6 +103,11 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
 
 def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationReport,
                       progress: Optional[Callable[[Iterable], Iterable]]) -> None:
+    """Every byte of every file the manifest lists: each entry against its whole hash and its
+    block hashes (what a resharding load checks a part against), and every byte in no entry
+    against the zero padding between aligned items, the only bytes a writer leaves unhashed."""
+    if manifest.damaged:
+        report.problems.append(f"{directory / MANIFEST_FNAME} is damaged: its own hash does not match its content")
     files = sorted(manifest.files.items())
     for name, entries in (progress(files) if progress else files):
         path = directory / name
@@ -111,10 +116,15 @@ def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationRep
             continue
         report.files_checked += 1
         end = max(e.offset + e.length for e in entries)
-        if path.stat().st_size != end:
-            report.problems.append(f"{path} has {path.stat().st_size} bytes, the manifest accounts for {end}")
+        size = path.stat().st_size
+        if size != end:
+            report.problems.append(f"{path} has {size} bytes, the manifest accounts for {end}")
+        covered = 0
         with open(path, "rb") as f:
-            for entry in entries:
+            for entry in sorted(entries, key=lambda e: e.offset):
+                if entry.offset > covered:
+                    _check_padding(f, path, covered, min(entry.offset, size), report)
+                covered = max(covered, entry.offset + entry.length)
                 f.seek(entry.offset)
                 data = f.read(entry.length)
                 if len(data) != entry.length or hash_bytes(data) != entry.hash:
@@ -122,8 +132,36 @@ def _verify_checksums(directory: Path, manifest: Manifest, report: ValidationRep
                         f"{path}: checksum mismatch for {entry.key or name} at bytes "
                         f"[{entry.offset}, {entry.offset + entry.length})"
                     )
-                else:
-                    report.checksums_verified += 1
+                    continue
+                report.checksums_verified += 1
+                if entry.blocks is not None:
+                    _check_blocks(path, entry, data, report)
+
+
+def _check_padding(f: BinaryIO, path: Path, start: int, end: int, report: ValidationReport) -> None:
+    f.seek(start)
+    gap = f.read(end - start)
+    if gap.count(0) != len(gap):
+        first = next(i for i, b in enumerate(gap) if b)
+        report.problems.append(f"{path}: bytes [{start}, {end}) lie in no manifest entry and must be the zero "
+                               f"padding between items, but byte {start + first} is {gap[first]}")
+
+
+def _check_blocks(path: Path, entry: ManifestEntry, data: bytes, report: ValidationReport) -> None:
+    """The entry's block hashes against its (intact) bytes: a wrong one would make a partial
+    read of intact data fail its check."""
+    blocks = cast(BlockHashes, entry.blocks)
+    view = memoryview(data)
+    data_end = blocks.data_start + blocks.data_length
+    segments = [(0, blocks.data_start)]
+    segments += [(at, min(at + blocks.block_bytes, data_end)) for at in range(blocks.data_start, data_end,
+                                                                          blocks.block_bytes)]
+    segments.append((data_end, entry.length))
+    for (lo, hi), expected in zip(segments, blocks.hashes):
+        if hash_bytes(view[lo:hi]) != expected:
+            report.problems.append(f"{path}: the block hash {MANIFEST_FNAME} records for {entry.key or path.name} at "
+                                   f"bytes [{entry.offset + lo}, {entry.offset + hi}) does not match intact data: "
+                                   f"the manifest is damaged")
 
 
 def _structure_extent(directory: Path, sharded) -> "tuple[int, int]":

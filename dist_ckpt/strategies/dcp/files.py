@@ -293,9 +293,20 @@ class DcpReader(FileSystemReader):
         content = path.read_bytes()
         verify_bytes(self.path, DCP_METADATA_FNAME, 0, content, what="the DCP index")
         metadata = load_dcp_metadata_pickle(io.BytesIO(content), what=str(path))
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        try:
+            return self._checked(path, metadata)
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
+            if isinstance(e, CorruptCheckpointError):
+                raise
+            # a damaged pickle can build objects whose attributes have other names or types
+            raise CorruptCheckpointError(f"{path} is damaged: its index does not have the structure of DCP "
+                                         f"metadata ({type(e).__name__}: {e})") from None
+
+    def _checked(self, path: Path, metadata: Any) -> Metadata:
+        # a damaged pickle can build a Metadata whose attributes have other names: getattr
+        if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
             raise CorruptCheckpointError(f"{path} does not hold DCP checkpoint metadata")
-        if not isinstance(metadata.storage_data, dict):
+        if not isinstance(getattr(metadata, "storage_data", None), dict):
             raise CorruptCheckpointError(f"{path} has no storage table (storage_data)")
         for key, item_md in metadata.state_dict_metadata.items():
             _validate_item_metadata(path, key, item_md)
