@@ -47,10 +47,11 @@ import logging
 import os
 import re
 from pathlib import Path
+from collections import Counter
 from typing import Any, List, Optional, Tuple, Union
 
 from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
-from .integrity.manifest import hash_bytes
+from .integrity.manifest import MANIFEST_FNAME, hash_bytes, parse_manifest
 from .local.local_tier import LocalTier
 from .local.replication import NoReplicasAvailableError
 from .mapping import ShardedStateDict, StateDict
@@ -65,7 +66,8 @@ from .tensor_aware_state_dict import StateMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError"]
+__all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError",
+           "IdenticalCheckpointError"]
 
 RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -77,6 +79,14 @@ _LOADED, _FALL_BACK, _FATAL = "loaded", "fall back", "fatal"  # each rank's outc
 
 class PendingSaveError(CheckpointingException):
     """``save`` was called with ``max_pending`` saves already in flight."""
+
+
+class IdenticalCheckpointError(CheckpointingException):
+    """A checkpoint of a later step holds exactly the tensors of the previous one
+    (``on_identical_save="raise"``): the training state did not reach the save."""
+
+
+TensorHashes = Counter  # (key, content hash) of every tensor item of a checkpoint, with multiplicity
 
 
 def checkpoint_dir_name(step: Step) -> str:
@@ -131,6 +141,11 @@ class CheckpointManager:
             node, so copies sit on other nodes).
         local_session: names this run's parts in ``local_dir`` (default: derived from ``root``,
             so another run sharing ``local_dir`` never resumes from this one's parts).
+        on_identical_save: what a committed checkpoint whose every tensor item hashes as in the
+            previous checkpoint of an earlier step means: "warn" (logged, naming both steps),
+            "raise" (``IdenticalCheckpointError`` on every rank, through ``on_error``) or
+            "ignore". A frozen model saved on purpose is "ignore"; anything else is a save that
+            never saw the training state (a stale cached structure, a copy of the wrong buffers).
         save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
     """
 
@@ -140,9 +155,13 @@ class CheckpointManager:
                  storage_options: Optional[dict] = None, local_dir: Union[str, os.PathLike, None] = None,
                  local_every: Optional[int] = None, persistent_every: Optional[int] = None,
                  local_replication_factor: int = 1, local_replication_jump: Optional[int] = None,
-                 local_session: Optional[str] = None, **save_kwargs: Any) -> None:
+                 local_session: Optional[str] = None, on_identical_save: str = "warn", **save_kwargs: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        if on_identical_save not in ("warn", "raise", "ignore"):
+            raise ValueError(f"on_identical_save must be 'warn', 'raise' or 'ignore', got {on_identical_save!r}")
+        self.on_identical_save = on_identical_save
+        self._last_tensor_hashes: Optional[Tuple[Step, TensorHashes]] = None
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be at least 1 (or None to keep all), got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -301,10 +320,53 @@ class CheckpointManager:
 
         def coordinator() -> None:
             if self.dist.is_coordinator:
+                same_as = self._identical_to_previous(step) if self.on_identical_save != "ignore" else None
                 self._write_tracker(step)
                 self._apply_retention(step)
+                if same_as is not None:
+                    self._report_identical(step, same_as)
 
         self.dist.all_run(coordinator)
+
+    def _tensor_hashes(self, step: Step) -> Optional[TensorHashes]:
+        """(key, hash) of every tensor item of the committed checkpoint of ``step``, from its
+        manifest; None without one (written by Megatron-Core) or when it cannot be read."""
+        try:
+            raw = self.location.read_text(f"{checkpoint_dir_name(step)}/{MANIFEST_FNAME}")
+            if raw is None:
+                return None
+            manifest = parse_manifest(raw.encode(), MANIFEST_FNAME)
+        except (CheckpointingException, OSError, UnicodeError):
+            return None
+        # tensor items have their key; ShardedObjects' keys name their shard (RNG states differ
+        # between steps however stale the tensors are); common.pt and the indexes have none
+        return Counter((e.key, e.hash) for e in manifest.entries.values() if e.key and "/shard_" not in e.key)
+
+    def _identical_to_previous(self, step: Step) -> Optional[Step]:
+        """The step of the previous checkpoint (this run's last, or the last committed before
+        ``step``) if it holds exactly the tensors ``step``'s does; None otherwise."""
+        current = self._tensor_hashes(step)
+        previous = self._last_tensor_hashes
+        if previous is None:
+            order = self.commit_order()
+            earlier = order[:order.index(step)] if step in order else order
+            if earlier:
+                hashes = self._tensor_hashes(earlier[-1])
+                previous = (earlier[-1], hashes) if hashes is not None else None
+        if current is not None:
+            self._last_tensor_hashes = (step, current)
+        if current and previous is not None and previous[0] != step and current == previous[1]:
+            return previous[0]
+        return None
+
+    def _report_identical(self, step: Step, same_as: Step) -> None:
+        message = (f"the checkpoint of step {step} holds exactly the tensors of step {same_as}'s "
+                   f"({sum(self._last_tensor_hashes[1].values()) if self._last_tensor_hashes else 0} tensor items, "
+                   f"every hash equal): the training state did not reach this save (a stale cached state dict or "
+                   f"staging buffer?); pass on_identical_save='ignore' if the model is frozen on purpose")
+        if self.on_identical_save == "raise":
+            raise IdenticalCheckpointError(message)
+        logger.warning(message)
 
     def _write_tracker(self, step: Step) -> None:
         """The step just committed, whatever was named before: saves commit in the order they
