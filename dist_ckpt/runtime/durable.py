@@ -8,12 +8,13 @@ module that writes goes through these three functions. No dist_ckpt imports: thi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import BinaryIO, Iterator, Optional, Tuple, Union
 
-__all__ = ["fsync_path", "fsync_directory", "atomic_write_bytes", "drop_page_cache", "TEMPORARY_MARK",
+__all__ = ["fsync_path", "fsync_directory", "atomic_write_bytes", "replacing", "drop_page_cache", "TEMPORARY_MARK",
            "temporary_name_for", "temporary_owner"]
 
 #: In the name of every temporary file dist_ckpt writes before renaming it into place:
@@ -52,22 +53,30 @@ def temporary_owner(name: str) -> Optional[Tuple[str, int]]:
     return (host, int(pid)) if host and pid.isdigit() else None
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one. A
-    failed write (a full disk) removes its temporary file; a killed one leaves it under a name
-    cleanup recognises (``temporary_name_for``)."""
+@contextlib.contextmanager
+def replacing(path: PathLike) -> Iterator[BinaryIO]:
+    """A file to write ``path``'s new content into: written under ``temporary_name_for(path)``,
+    fsynced and renamed onto ``path`` when the block ends, removed if it raises (a full disk).
+    A kill leaves the temporary file under a name cleanup recognises. The caller fsyncs the
+    directory when the new name must be durable."""
     path = Path(path)
     tmp = temporary_name_for(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_directory(path.parent)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    with replacing(path) as f:
+        f.write(data)
+    fsync_directory(Path(path).parent)
 
 
 def drop_page_cache(directory: PathLike) -> None:

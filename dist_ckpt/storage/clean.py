@@ -27,10 +27,10 @@ from .leftovers import (
     LOCK_MARK,
     OLD_MARK,
     STAGING_MARK,
-    is_committed,
-    is_dist_ckpt_leftover,
     deleting_dir_for,
     deletions_beside,
+    is_committed,
+    is_dist_ckpt_leftover,
     leftovers_beside,
     leftovers_of,
     stale_temporaries,
@@ -148,25 +148,27 @@ def clean(path: Path) -> List[Path]:
     return removed
 
 
-def clean_inside(directory: Path) -> List[Path]:
+def clean_inside(directory: Path, saves_may_run: bool = False) -> List[Path]:
     """``clean`` of every checkpoint in ``directory`` (a run's root) that left something beside
-    it, and of the directory's stale temporary files; nothing is created or locked outside it."""
+    it, and of the directory's stale temporary files; nothing is created or locked outside it.
+    ``saves_may_run``: a save in flight there is expected (a run's own retention), not logged."""
     names = {p.name.split(STAGING_MARK)[0].split(OLD_MARK)[0].split(LOCK_MARK)[0].split(DELETING_MARK)[0][1:]
              for p in directory.iterdir() if is_dist_ckpt_leftover(p)}
     removed: List[Path] = []
     for name in sorted(names):
-        removed += _clean_target(directory / name)
+        removed += _clean_target(directory / name, saves_may_run)
     for entry in sorted(directory.iterdir()):
         if entry.is_dir() and not entry.is_symlink() and not is_dist_ckpt_leftover(entry):
             removed += _remove_stale_temporaries(entry)
     return removed + _remove_stale_temporaries(directory)
 
 
-def _clean_target(target: Path) -> List[Path]:
+def _clean_target(target: Path, saves_may_run: bool = False) -> List[Path]:
     try:
         lock = SaveLock(target)
     except ConcurrentSaveError:
-        logger.warning("a save of %s is running; its staging directory is kept", target)
+        logger.log(logging.DEBUG if saves_may_run else logging.WARNING,
+                   "a save of %s is running; its staging directory is kept", target)
         return []
     removed: List[Path] = []
     try:

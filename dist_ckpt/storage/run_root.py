@@ -120,7 +120,7 @@ class LocalRunRoot(RunRoot):
     def remove_leftovers(self) -> List[str]:
         if not self.root.is_dir():
             return []
-        return [str(p) for p in clean_inside(self.root)]
+        return [str(p) for p in clean_inside(self.root, saves_may_run=True)]
 
 
 class UrlRunRoot(RunRoot):

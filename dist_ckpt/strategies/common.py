@@ -8,7 +8,6 @@ load goes through the safe unpickler (see ``dist_ckpt.integrity.safe_unpickle``)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,7 +17,7 @@ from ..integrity.manifest import HashingWriter, read_verified, recorder_for
 from ..integrity.safe_unpickle import safe_torch_load
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..runtime.collectives import get_rank
-from ..runtime.durable import fsync_directory, temporary_name_for
+from ..runtime.durable import fsync_directory, replacing
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
 __all__ = [
@@ -34,17 +33,9 @@ __all__ = [
 def durable_torch_save(obj: Any, path: Path, checkpoint_dir: Path, key: Optional[str] = None) -> None:
     """``torch.save`` to a temp name (hashed on the way), fsync, rename: the file is whole or
     absent, and its checksum is in the save's manifest."""
-    tmp = temporary_name_for(path)
-    try:
-        with open(tmp, "wb") as f:
-            stream = HashingWriter(f)
-            stream.torch_save(obj)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with replacing(path) as f:
+        stream = HashingWriter(f)
+        stream.torch_save(obj)
     offset, length, digest = stream.finish_item()
     recorder_for(checkpoint_dir).add(path.relative_to(checkpoint_dir).as_posix(), offset, length, digest, key)
 
