@@ -545,7 +545,7 @@ def test_inspect_reports_bytes_chunks_writers_totals_and_json(tp2_checkpoint, ca
     assert main(["inspect", "--json", tp2_checkpoint]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["sharded_backend"] == "torch_dist" and doc["sharded_backend_version"] == 1
-    assert doc["common_backend"] == "torch" and doc["manifest_version"] == 2
+    assert doc["common_backend"] == "torch" and doc["manifest_version"] == 4
     for key, (shape, dtype) in MODEL.items():
         t = doc["tensors"][key]
         assert t["shape"] == list(shape) and t["dtype"] == str(dtype).replace("torch.", "")

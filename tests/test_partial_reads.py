@@ -91,9 +91,9 @@ def _load_counting(rank: int, world: int, ckpt: str, verify: bool) -> dict:
 
 def test_the_writer_records_block_hashes_of_large_tensors(saved):
     """Each saving rank's 16 MiB chunk has an entry with block hashes that are the hashes of
-    its header, its 16 blocks and its trailer as they lie in the file; the manifest is version 3."""
+    its header, its 16 blocks and its trailer as they lie in the file; the manifest is version 4."""
     content = json.loads((saved / MANIFEST_FNAME).read_bytes())
-    assert content["version"] == 3
+    assert content["version"] == 4
     blocked = [row for row in content["entries"] if len(row) == 6]
     assert len(blocked) == SAVED_WORLD and {row[4] for row in blocked} == {"rows"}
     for file, offset, length, digest, _, (data_start, data_length, block, hashes) in blocked:
@@ -105,11 +105,15 @@ def test_the_writer_records_block_hashes_of_large_tensors(saved):
         assert [xxhash.xxh3_64_hexdigest(s) for s in segments] == hashes
 
 
-def test_a_small_checkpoint_keeps_manifest_version_2(tmp_path):
-    """Without a tensor large enough for blocks, the manifest stays version 2, which dist_ckpt
-    versions before block hashes read."""
+def test_every_manifest_is_version_4_and_ends_with_its_own_hash(tmp_path):
+    """Small checkpoints too: the manifest's own hash covers every byte before it (a dist_ckpt
+    that reads only versions 1-3 refuses it, naming the version)."""
     dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(1000))}, str(tmp_path / "ckpt"))
-    assert json.loads((tmp_path / "ckpt" / MANIFEST_FNAME).read_bytes())["version"] == 2
+    raw = (tmp_path / "ckpt" / MANIFEST_FNAME).read_bytes()
+    content = json.loads(raw)
+    assert content["version"] == 4 and list(content)[-1] == "manifest_hash"
+    body = raw[:raw.rindex(b',"manifest_hash":"')]
+    assert xxhash.xxh3_64_hexdigest(body) == content["manifest_hash"]
 
 
 @pytest.mark.parametrize("pieces", [[1], [7, 64, 3], [64 * 5 + 13]])
@@ -165,7 +169,8 @@ def test_malformed_block_hashes_are_refused(saved, tmp_path):
         damage(target[5])
         with pytest.raises(CorruptCheckpointError, match="malformed block hashes"):
             manifest_module.parse_manifest(json.dumps(bad).encode(), why)
-    two = dict(content, version=2)
+    two = {k: v for k, v in content.items() if k != "manifest_hash"}
+    two["version"] = 2
     with pytest.raises(CorruptCheckpointError, match="malformed"):  # six fields in a version 2 manifest
         manifest_module.parse_manifest(json.dumps(two).encode(), "v2")
 
@@ -273,10 +278,10 @@ def test_a_manifest_without_block_hashes_reads_chunks_whole(saved, tmp_path):
     old = tmp_path / "v2"
     shutil.copytree(saved, old)
     whole = manifest_module.parse_manifest((old / MANIFEST_FNAME).read_bytes(), "manifest")
-    entries = [e._replace(blocks=None) for es in whole.files.values() for e in es]
+    rows = sorted([e.file, e.offset, e.length, e.hash, e.key] for es in whole.files.values() for e in es)
     os.remove(old / MANIFEST_FNAME)
-    manifest_module.write_manifest(old, entries)
-    assert json.loads((old / MANIFEST_FNAME).read_bytes())["version"] == 2
+    (old / MANIFEST_FNAME).write_text(json.dumps({"format": "dist_ckpt-manifest", "version": 2, "hash": "xxh3_64",
+                                                  "entries": rows}))  # as dist_ckpt wrote before block hashes
     results = run_distributed(_load_counting, 4, str(old), True)
     assert [(r.get("ok"), r["bytes"]) for r in results] == [(True, _blob_length(saved))] * 4
 
