@@ -324,7 +324,7 @@ class CheckpointManager:
                 self._write_tracker(step)
                 self._apply_retention(step)
                 if same_as is not None:
-                    self._report_identical(step, same_as)
+                    self._report_identical(step, *same_as)
 
         self.dist.all_run(coordinator)
 
@@ -342,9 +342,10 @@ class CheckpointManager:
         # between steps however stale the tensors are); common.pt and the indexes have none
         return Counter((e.key, e.hash) for e in manifest.entries.values() if e.key and "/shard_" not in e.key)
 
-    def _identical_to_previous(self, step: Step) -> Optional[Step]:
+    def _identical_to_previous(self, step: Step) -> Optional[Tuple[Step, int]]:
         """The step of the previous checkpoint (this run's last, or the last committed before
-        ``step``) if it holds exactly the tensors ``step``'s does; None otherwise."""
+        ``step``) and the number of tensor items, if it holds exactly the tensors ``step``'s
+        does; None otherwise."""
         current = self._tensor_hashes(step)
         previous = self._last_tensor_hashes
         if previous is None:
@@ -356,13 +357,12 @@ class CheckpointManager:
         if current is not None:
             self._last_tensor_hashes = (step, current)
         if current and previous is not None and previous[0] != step and current == previous[1]:
-            return previous[0]
+            return previous[0], sum(current.values())
         return None
 
-    def _report_identical(self, step: Step, same_as: Step) -> None:
+    def _report_identical(self, step: Step, same_as: Step, items: int) -> None:
         message = (f"the checkpoint of step {step} holds exactly the tensors of step {same_as}'s "
-                   f"({sum(self._last_tensor_hashes[1].values()) if self._last_tensor_hashes else 0} tensor items, "
-                   f"every hash equal): the training state did not reach this save (a stale cached state dict or "
+                   f"({items} tensor items, every hash equal): the training state did not reach this save (a stale cached state dict or "
                    f"staging buffer?); pass on_identical_save='ignore' if the model is frozen on purpose")
         if self.on_identical_save == "raise":
             raise IdenticalCheckpointError(message)
@@ -390,10 +390,10 @@ class CheckpointManager:
             # renamed aside, then the files dist_ckpt wrote; other tools' files stay at the name
             self.location.remove_checkpoint(checkpoint_dir_name(s))
             removed.append(s)
-        self._remove_what_kills_left(in_flight)
+        self._remove_what_kills_left()
         return removed
 
-    def _remove_what_kills_left(self, in_flight: List[Step]) -> None:
+    def _remove_what_kills_left(self) -> None:
         """The coordinator, after retention: what killed saves and deletions left in the root.
         Interrupted deletions and stale temporary files (``RunRoot.remove_leftovers``), and
         ``iter_XXXXXXX`` directories that hold checkpoint data but no ``metadata.json`` and are
@@ -402,7 +402,7 @@ class CheckpointManager:
         takes the pointer first) and can never load."""
         removed = self.location.remove_leftovers()
         committed = set(self.location.committed())
-        pending = {checkpoint_dir_name(s) for s in in_flight} | {checkpoint_dir_name(s) for s in self._pending}
+        pending = {checkpoint_dir_name(s) for s in self._pending}
         for name in self.location.entries():
             if _ITER_DIR.match(name) and name not in committed and name not in pending \
                     and self.location.holds_checkpoint_data(name):

@@ -77,6 +77,8 @@ __all__ = [
     "verify_bytes",
     "expected_entry",
     "check_digest",
+    "entry_is_intact",
+    "block_mismatch",
     "read_verified",
 ]
 
@@ -481,6 +483,41 @@ def check_digest(checkpoint_dir: Union[str, os.PathLike], file: str, offset: int
             f"{Path(checkpoint_dir) / file}: checksum mismatch for {label} at bytes [{offset}, "
             f"{offset + entry.length}) (read {length} bytes); {culprit} is damaged"
         )
+
+
+def block_mismatch(path: Path, what: str, offset: int, length: int, entry: ManifestEntry) -> None:
+    """A block read for part of an entry does not match its block hash. Either the data or the
+    manifest's block hash is damaged: the whole entry, checked against its own hash, decides.
+    Intact, the block read is good and the load goes on (a damaged manifest, logged); not, the
+    file is damaged."""
+    if entry_is_intact(path, entry):
+        logger.warning("%s: %s's bytes match their %s entry, but the block hash recorded for bytes [%s, %s) does not: "
+                       "%s is damaged, not the data (`dist-ckpt validate` reports it)",
+                       path, what, MANIFEST_FNAME, offset, offset + length, MANIFEST_FNAME)
+        return
+    raise CorruptCheckpointError(
+        f"{path}: checksum mismatch for {what} at bytes [{offset}, {offset + length}) (a block of its "
+        f"{MANIFEST_FNAME} entry, and the whole entry's hash does not match either); the file is damaged"
+    )
+
+
+def entry_is_intact(path: Union[str, os.PathLike], entry: ManifestEntry) -> bool:
+    """Whether the entry's bytes in ``path`` hash to its whole-entry hash (read in pieces): what
+    decides between damaged data and a damaged block hash of the manifest."""
+    hasher = new_hasher()
+    try:
+        with open(path, "rb") as f:
+            f.seek(entry.offset)
+            left = entry.length
+            while left:
+                piece = f.read(min(left, 16 << 20))
+                if not piece:
+                    return False
+                hasher.update(piece)
+                left -= len(piece)
+    except OSError:
+        return False
+    return hasher.hexdigest() == entry.hash
 
 
 def read_verified(checkpoint_dir: Union[str, os.PathLike], file: str, what: Optional[str] = None) -> bytes:

@@ -12,10 +12,10 @@ import contextlib
 import os
 import socket
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Tuple, Union
+from typing import BinaryIO, Iterator, Union
 
 __all__ = ["fsync_path", "fsync_directory", "atomic_write_bytes", "replacing", "drop_page_cache", "TEMPORARY_MARK",
-           "temporary_name_for", "temporary_owner"]
+           "temporary_name_for"]
 
 #: In the name of every temporary file dist_ckpt writes before renaming it into place:
 #: ``.<name>.dist_ckpt-tmp-<host>-<pid>``. A kill before the rename leaves it; the name says it
@@ -42,15 +42,6 @@ def temporary_name_for(path: PathLike) -> Path:
     """Where ``path`` is written before it is renamed into place (``TEMPORARY_MARK``)."""
     path = Path(path)
     return path.with_name(f".{path.name}{TEMPORARY_MARK}{socket.gethostname()}-{os.getpid()}")
-
-
-def temporary_owner(name: str) -> Optional[Tuple[str, int]]:
-    """(host, pid) of the process that wrote a temporary file of this name; None if the name
-    is not one of ours."""
-    if not name.startswith(".") or TEMPORARY_MARK not in name:
-        return None
-    host, _, pid = name.rsplit(TEMPORARY_MARK, 1)[1].rpartition("-")
-    return (host, int(pid)) if host and pid.isdigit() else None
 
 
 @contextlib.contextmanager

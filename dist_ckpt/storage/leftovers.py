@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from ..core import CONFIG_FNAME
-from ..runtime.durable import TEMPORARY_MARK, temporary_owner
+from ..runtime.durable import TEMPORARY_MARK
 
 __all__ = [
     "OVERWRITE_HINT",
@@ -100,6 +100,10 @@ def missing_target_hint(target: Path) -> str:
 
 
 def _owner(name: str, mark: str) -> Optional[Tuple[str, int]]:
+    """(host, pid) written after ``mark`` in a leftover's or temporary file's name; None if the
+    name does not have them."""
+    if not name.startswith(".") or mark not in name:
+        return None
     host, _, pid = name.rsplit(mark, 1)[1].rpartition("-")
     return (host, int(pid)) if host and pid.isdigit() else None
 
@@ -138,4 +142,4 @@ def stale_temporaries(directory: Path) -> List[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir()
-                  if TEMPORARY_MARK in p.name and not p.is_dir() and owner_is_gone(p, temporary_owner(p.name)))
+                  if TEMPORARY_MARK in p.name and not p.is_dir() and owner_is_gone(p, _owner(p.name, TEMPORARY_MARK)))

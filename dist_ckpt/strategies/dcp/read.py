@@ -46,7 +46,6 @@ at 0.93-0.96 of raw file I/O's speed where 2 threads read at 0.64-0.90 (in turn,
 from __future__ import annotations
 
 import contextvars
-import logging
 import os
 import threading
 from pathlib import Path
@@ -58,15 +57,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ...core import CorruptCheckpointError
-from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, check_digest, expected_entry,
-                                   hash_bytes)
+from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, block_mismatch, check_digest,
+                                   expected_entry, hash_bytes)
 from .chunk_copy import copy_in_this_thread, copy_region, needed_span
 from .destinations import Into, Prepared, fill, resolved_into
 from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _ScratchPool
 from .read_schedule import BYTES_PER_THREAD, ONE_PASS_MIN, SMALL_LOAD_THREADS, StealingLanes, split_lanes
 from .record import LayoutCache, StoredTensor, tensor_bytes, written_layout
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["ItemGroup", "read_item_groups", "READ_PIECE",
            "READ_THREADS", "SCRATCH_BUDGET", "SCRATCH_BUFFERS", "SMALL_BLOB", "SMALL_LOAD_THREADS", "BYTES_PER_THREAD",
@@ -384,7 +381,7 @@ class _GroupReader:
                 hasher = xxhash.xxh3_64()
                 _read_into(fd, piece, data_at + first, path, hasher)
                 if hasher.hexdigest() != blocks.hashes[1 + first // size]:
-                    _block_mismatch(path, what, data_at + first, len(piece), entry)
+                    block_mismatch(path, what, data_at + first, len(piece), entry)
         if self._copied_part(group, stored, view):
             return
         self._scatter(lane, lane.buffer(stored.nbytes), StoredTensor(stored.dtype, stored.shape, 0, stored.nbytes),
@@ -440,7 +437,7 @@ class _GroupReader:
                     if lo < hi:
                         hasher.update(view[lo - at : hi - at])
                 if hasher.hexdigest() != blocks.hashes[1 + block // size]:
-                    _block_mismatch(path, what, group.offset + stored.data_offset + block, stop - block, entry)
+                    block_mismatch(path, what, group.offset + stored.data_offset + block, stop - block, entry)
         if target is not None:
             self.planner.commit_tensor(group.items[0], target)
 
@@ -464,7 +461,7 @@ class _GroupReader:
                      memoryview(tail)[stored.data_offset + stored.nbytes - tail_start :], blocks.hashes[-1])]
         for at, data, expected in segments:
             if hash_bytes(data) != expected:
-                _block_mismatch(path, what, group.offset + at, len(data), entry)
+                block_mismatch(path, what, group.offset + at, len(data), entry)
         return blocks
 
     def _direct_target(self, group: ItemGroup, stored: StoredTensor) -> Optional[torch.Tensor]:
@@ -534,40 +531,6 @@ class _GroupReader:
             return
         for item in group.items:
             copy_region(source, item, self.planner, f"'{item.storage_index.fqn}' in {path}")
-
-
-def _block_mismatch(path: Path, what: str, offset: int, length: int, entry: ManifestEntry) -> None:
-    """A block read for part of an entry does not match its block hash. Either the data or the
-    manifest's block hash is damaged: the whole entry, checked against its own hash, decides.
-    Intact, the block read is good and the load goes on (a damaged manifest, logged); not, the
-    file is damaged."""
-    if _whole_entry_intact(path, entry):
-        logger.warning("%s: %s's bytes match their %s entry, but the block hash recorded for bytes [%s, %s) does not: "
-                       "%s is damaged, not the data (`dist-ckpt validate` reports it)",
-                       path, what, MANIFEST_FNAME, offset, offset + length, MANIFEST_FNAME)
-        return
-    raise CorruptCheckpointError(
-        f"{path}: checksum mismatch for {what} at bytes [{offset}, {offset + length}) (a block of its "
-        f"{MANIFEST_FNAME} entry, and the whole entry's hash does not match either); the file is damaged"
-    )
-
-
-def _whole_entry_intact(path: Path, entry: ManifestEntry) -> bool:
-    """Whether the entry's bytes hash to its whole-entry hash (read once more, in pieces)."""
-    hasher = xxhash.xxh3_64()
-    try:
-        with open(path, "rb") as f:
-            f.seek(entry.offset)
-            left = entry.length
-            while left:
-                piece = f.read(min(left, 16 << 20))
-                if not piece:
-                    return False
-                hasher.update(piece)
-                left -= len(piece)
-    except OSError:
-        return False
-    return hasher.hexdigest() == entry.hash
 
 
 def scratch_buffer_count(groups: List[ItemGroup], threads: int) -> int:
