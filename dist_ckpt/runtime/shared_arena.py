@@ -25,6 +25,8 @@ from typing import Any, Dict, Iterable, List, Set, Tuple
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
 
+from .devices import is_host_memory, pin_shared_memory, unpin_shared_memory
+
 __all__ = ["SharedArena", "JobPickler", "forget_arenas", "live_arena_ids"]
 
 ARENA_ALIGNMENT = 64  # every view starts 64-byte aligned (any dtype's alignment, cache lines)
@@ -41,13 +43,16 @@ def _aligned(n: int) -> int:
 class SharedArena:
     """One shared-memory block; ``views`` carves tensors of the given shapes and dtypes out of it."""
 
-    def __init__(self, specs: List[Tuple[torch.Size, torch.dtype]]) -> None:
+    def __init__(self, specs: List[Tuple[torch.Size, torch.dtype]], pinned: bool = False) -> None:
         offsets, total = [], 0
         for shape, dtype in specs:
             offsets.append(total)
             total += _aligned(shape.numel() * dtype.itemsize)
         self.id = next(_ids)
         self.storage = torch.UntypedStorage(max(total, 1)).share_memory_()
+        # page-locked for copies from the GPU (non-blocking, full speed); unlocked when the arena goes
+        if pinned and pin_shared_memory(self.storage):
+            weakref.finalize(self, unpin_shared_memory, self.storage.data_ptr())
         flat = torch.empty(0, dtype=torch.uint8).set_(self.storage)
         self.views: List[torch.Tensor] = [
             flat[offset: offset + shape.numel() * dtype.itemsize].view(dtype).view(shape)
@@ -76,7 +81,7 @@ class JobPickler(ForkingPickler):
 
     def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
         arena = None
-        if tensor.device.type == "cpu" and not tensor.requires_grad:
+        if is_host_memory(tensor) and not tensor.requires_grad:
             with _live_lock:
                 arena = _live.get(tensor.untyped_storage().data_ptr())
         if arena is None:

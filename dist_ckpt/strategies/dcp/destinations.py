@@ -20,6 +20,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import numpy
 import torch
 
+from ...runtime.devices import is_host_memory
 from .read_calls import _row_views
 from .record import StoredTensor, tensor_bytes
 
@@ -87,9 +88,12 @@ class Prepared(NamedTuple):
 
 def resolved_into(target: Optional[torch.Tensor], rows_min_bytes: int) -> Into:
     """``Into`` for a destination resolved through the planner (``target``: None when the
-    chunk does not go whole into one destination)."""
+    chunk does not go whole into one destination). A destination in device memory is read into
+    scratch memory and copied (``strided``): the reader never takes its memory as bytes."""
     if target is None:
         return NOWHERE
+    if not is_host_memory(target):
+        return Into(None, None, target, target)
     if target.is_contiguous():
         return Into([tensor_bytes(target)], None, None, target)
     rows = _row_views(target) if target.shape[-1] * target.element_size() >= rows_min_bytes else None

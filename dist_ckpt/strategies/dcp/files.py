@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...core import CheckpointNotFoundError, CorruptCheckpointError
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
+from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
 from ...runtime.durable import atomic_write_bytes, fsync_directory
 from ...runtime.file_cache import ParsedFileCache
 from .metadata import MCoreMetadata, MCoreSavePlan
@@ -85,7 +86,8 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
 
 
 def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                   recorder: Recorder, zip_crc32: bool = True) -> List[WriteResult]:
+                   recorder: Recorder, zip_crc32: bool = True, caller: Optional[CallerStreams] = None
+                   ) -> List[WriteResult]:
     """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync.
 
     Each item starts at a multiple of ``ITEM_ALIGNMENT`` bytes (zeros in between, in no item:
@@ -93,19 +95,19 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
     which torch's zip format aligns within the item, is 64-byte aligned in the file as in the
     destination tensor: the kernel copied 540 MiB of misaligned data from the page cache in
     59 ms against 45 ms aligned (2 ranks at once), and a warm 2-rank load of the benchmark's
-    state took 120 ms instead of 130."""
+    state took 120 ms instead of 130.
+
+    A tensor in device memory is copied to the host one item ahead (``_in_host_memory``), after
+    the work the caller (``caller``: its streams, taken on its thread) had queued."""
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
-        for item in items:
+        for item, data in _in_host_memory(items, resolve, HostCopies(caller)):
             stream.start_item(ITEM_ALIGNMENT)
-            data = resolve(item)
             if isinstance(data, io.BytesIO):  # a BYTE_IO item
                 stream.write(data.getbuffer())
             else:
                 tensor = data.detach()
-                if tensor.device.type != "cpu":
-                    tensor = tensor.cpu()
                 if not tensor.is_contiguous():
                     tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
                 write_tensor_record(stream.write, tensor, zip_crc32=zip_crc32, expect_data=stream.expect_data)
@@ -119,6 +121,31 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
     return results
 
 
+def _in_host_memory(items: List[WriteItem], resolve: Callable[[WriteItem], ItemData], copies: HostCopies
+                    ) -> Iterator[Tuple[WriteItem, ItemData]]:
+    """Each item with its data in host memory, in order. A device tensor's copy to the host is
+    started, and the item after it resolved, before it is handed out, so the next copy runs while
+    this one is written (as torch's ``_OverlappingCpuLoader`` does). Only a device copy waits
+    ahead: items of host tensors are handed out as resolved, so a save that makes its host tensors
+    one at a time (streamed saves) still holds one of them at a time."""
+    ahead: Optional[Tuple[WriteItem, HostCopy]] = None
+    for item in items:
+        data = resolve(item)
+        started: Optional[HostCopy] = None
+        if isinstance(data, torch.Tensor) and not is_host_memory(data):
+            started = copies.start(data.detach())
+            del data
+        if ahead is not None:
+            yield ahead[0], ahead[1].result()
+            ahead = None
+        if started is not None:
+            ahead = (item, started)
+        else:
+            yield item, data
+    if ahead is not None:
+        yield ahead[0], ahead[1].result()
+
+
 def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
                     recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True,
                     first_file: int = 0) -> List[WriteResult]:
@@ -127,11 +154,13 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     buckets = _buckets(items, thread_count)
     results: List[List[WriteResult]] = [[] for _ in buckets]
     errors: List[BaseException] = []
+    caller = CallerStreams()  # the writer threads' copies of device tensors wait for the caller's queued work
 
     def run(i: int) -> None:
         try:
             name = f"{prefix}{first_file + i}.distcp"
-            results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32)
+            results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32,
+                                        caller)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)
 

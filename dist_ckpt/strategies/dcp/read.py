@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, Read
 from ...core import CorruptCheckpointError
 from ...integrity.manifest import (MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, block_mismatch, check_digest,
                                    expected_entry, hash_bytes)
+from ...runtime.devices import CallerStreams, DeviceCopies, accelerator_in_use, device_copies, is_host_memory
 from .chunk_copy import copy_in_this_thread, copy_region, needed_span
 from .destinations import Into, Prepared, fill, resolved_into
 from .read_calls import READ_PIECE, SMALL_BLOB, ItemGroup, _Lane, _read_into, _read_views, _ScratchPool
@@ -409,7 +410,7 @@ class _GroupReader:
             return first, end, memoryview(prepared.memory).cast("B"), None  # type: ignore[arg-type]  # numpy arrays are buffers
         target = self.planner.resolve_tensor(item).detach()
         if (target.dtype != stored.dtype or tuple(target.shape) != lengths or not target.is_contiguous()
-                or target.device.type != "cpu"):
+                or not is_host_memory(target)):
             return None
         return first, end, tensor_bytes(target), target
 
@@ -554,24 +555,16 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
     first error of any thread is raised here once all have stopped."""
     reader = _GroupReader(Path(root), planner, manifest, fallback)
     lanes = StealingLanes.of_groups(split_lanes(groups, thread_count))
-    pool = _ScratchPool(scratch_buffer_count(groups, len(lanes)))
+    pool = _ScratchPool(scratch_buffer_count(groups, len(lanes)), pinned=accelerator_in_use())
+    caller = CallerStreams()  # copies into device destinations wait for the caller's queued work
     errors: List[BaseException] = []
     failed = threading.Event()
 
     def run(index: int) -> None:
-        lane = _Lane(Path(root), pool)
+        lane = _Lane(Path(root), pool, DeviceCopies(caller))
         try:
-            while not failed.is_set():
-                run_ = lanes.next_unit(index)
-                if run_ is None:
-                    return
-                try:
-                    if len(run_) == 1:
-                        reader.read(lane, run_[0])
-                    else:
-                        reader.read_run(lane, run_)
-                finally:
-                    lane.release()
+            with device_copies(lane.copies):
+                _read_lane(reader, lane, lanes, index, failed)
         except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread
             errors.append(e)
             failed.set()
@@ -590,3 +583,19 @@ def read_item_groups(root: Path, groups: List[ItemGroup], planner: LoadPlanner, 
         t.join()
     if errors:
         raise errors[0]
+
+
+def _read_lane(reader: _GroupReader, lane: _Lane, lanes: StealingLanes, index: int, failed: threading.Event) -> None:
+    """One reader thread's work: its lane's units (and those it steals) until none is left or
+    another thread failed."""
+    while not failed.is_set():
+        unit = lanes.next_unit(index)
+        if unit is None:
+            return
+        try:
+            if len(unit) == 1:
+                reader.read(lane, unit[0])
+            else:
+                reader.read_run(lane, unit)
+        finally:
+            lane.release()

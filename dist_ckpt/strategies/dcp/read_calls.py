@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ...core import CorruptCheckpointError
+from ...runtime.devices import DeviceCopies, host_buffer
 from .record import tensor_bytes
 
 __all__ = ["ItemGroup", "READ_PIECE", "SMALL_BLOB", "expect_sequential_reads"]
@@ -40,7 +41,8 @@ class _ScratchPool:
     resharding holds for chunks in flight stays ``count`` buffers of the largest chunk read
     through one, however many threads read. Direct reads (the same-layout load's) need none."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, pinned: bool = False) -> None:
+        self.pinned = pinned  # page-locked (the load's bytes go on to a device)
         self._free = [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
         self._returned = threading.Condition()
 
@@ -79,10 +81,13 @@ def expect_sequential_reads(fd: int) -> None:
 
 class _Lane:
     """One reader thread's open files and buffers: its own for small blobs and coalesced reads,
-    one from the shared pool while it reads a large chunk through scratch memory."""
+    one from the shared pool while it reads a large chunk through scratch memory; and its copies
+    into device memory (``copies``: non-blocking, from these buffers, waited for before a buffer
+    is reused or given back: ``release``)."""
 
-    def __init__(self, root: Path, pool: _ScratchPool) -> None:
+    def __init__(self, root: Path, pool: _ScratchPool, copies: Optional[DeviceCopies] = None) -> None:
         self.root, self.pool = root, pool
+        self.copies = copies if copies is not None else DeviceCopies()
         self.files: Dict[str, Tuple[int, int]] = {}
         self.scratch = torch.empty(0, dtype=torch.uint8)
         self.borrowed: Optional[torch.Tensor] = None
@@ -113,14 +118,14 @@ class _Lane:
         (a second call for the same group gets the same buffer, never a second one)."""
         if nbytes <= SMALL_BLOB:
             if self.scratch.numel() < nbytes:
-                self.scratch = torch.empty(nbytes, dtype=torch.uint8)
+                self.scratch = host_buffer(nbytes, self.pool.pinned)
                 self._scratch_bytes = tensor_bytes(self.scratch)
             return self.scratch[:nbytes]
         if self.borrowed is None:
             self.borrowed = self.pool.take()
             self._borrowed_bytes = None
         if self.borrowed.numel() < nbytes:
-            self.borrowed = torch.empty(nbytes, dtype=torch.uint8)
+            self.borrowed = host_buffer(nbytes, self.pool.pinned)
             self._borrowed_bytes = None
         return self.borrowed[:nbytes]
 
@@ -138,12 +143,14 @@ class _Lane:
     def window_for(self, nbytes: int) -> memoryview:
         """The first ``nbytes`` of the window (grown if needed), as bytes."""
         if self.window.numel() < nbytes:
-            self.window = torch.empty(nbytes, dtype=torch.uint8)
+            self.window = host_buffer(nbytes, self.pool.pinned)
             self.window_bytes = tensor_bytes(self.window)
         return self.window_bytes[:nbytes]
 
     def release(self) -> None:
-        """The group is done: a large buffer goes back to the pool."""
+        """The group is done: its copies into device memory have finished, a large buffer goes
+        back to the pool."""
+        self.copies.wait()
         if self.borrowed is not None:
             self.pool.give(self.borrowed)
             self.borrowed = None

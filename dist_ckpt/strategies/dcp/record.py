@@ -56,7 +56,8 @@ _UTF8_FLAG = 0x800
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, as a flat view of its memory (no copy)."""
+    """The bytes of a contiguous tensor in host memory (``is_host_memory``), as a flat view of its
+    memory (no copy)."""
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

@@ -25,6 +25,12 @@ they wait for each other, and beside the other ranks and the previous save's wri
 oversubscribe the cores. 4 ranks on 2 cores (270 MiB each, 2 OpenMP threads per rank, as
 processes spawned without ``OMP_NUM_THREADS`` have) took 0.18-2.5 s to copy, 56-150 ms with one.
 
+Tensors in device memory (GPU) are copied into page-locked buffers, non-blocking, on a side
+stream that first waits for the work the caller had queued (a tensor the step just wrote), all
+of them queued before one synchronize ends ``stage``: the copies run at the link's speed, back
+to back, and once ``stage`` returns the training loop may change the tensors and the writer may
+read every buffer. (Megatron-Core's and DCP's pinned stagers work the same way.)
+
 For a writer process the copies are views into one ``SharedArena`` per allocation, which the
 writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
 per tensor handed over anew at every save.
@@ -39,6 +45,7 @@ from typing import List, Optional
 
 import torch
 
+from ...runtime.devices import CallerStreams, DeviceCopies, is_host_memory
 from ...runtime.shared_arena import SharedArena
 from .chunk_copy import copy_in_this_thread
 
@@ -161,17 +168,24 @@ class StagingBuffers:
             for i, buffer in zip(fresh, new):
                 staged[i] = buffer
         start = time.perf_counter()
+        from_device = DeviceCopies(CallerStreams())
         for staged_buffer, tensor in zip(staged, tensors):
-            if staged_buffer is not None:
+            if staged_buffer is None:
+                continue
+            if is_host_memory(tensor):
                 copy_in_this_thread(staged_buffer, tensor)
+            else:
+                from_device.copy(staged_buffer, tensor)
+        from_device.wait()  # one synchronize: once stage() returns, the writer may read every buffer
         self.last_copy_seconds = time.perf_counter() - start
         live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
         return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live])
 
     def _allocate(self, likes: List[torch.Tensor], arenas: List[SharedArena]) -> List[torch.Tensor]:
+        pinned = any(t.device.type == "cuda" for t in likes)  # copies from the GPU: page-locked memory
         if not self.shared:
-            return [torch.empty(t.shape, dtype=t.dtype) for t in likes]
-        arena = SharedArena([(t.shape, t.dtype) for t in likes])
+            return [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in likes]
+        arena = SharedArena([(t.shape, t.dtype) for t in likes], pinned=pinned)
         arenas.append(arena)
         return arena.views
 
