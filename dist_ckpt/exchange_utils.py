@@ -11,6 +11,7 @@ Shard identity: ``(key, global_offset, flattened range or None)``.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Hashable, List, NamedTuple, Optional, Set, Tuple, TypeVar
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from .core import CheckpointingException
 from .dict_utils import nested_values
 from .mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-from .runtime.collectives import empty_for_collective, to_collective_device
+from .runtime.collectives import collective_device, empty_for_collective, to_collective_device
 
 __all__ = [
     "ShardDistribution",
@@ -193,9 +194,24 @@ def _get_empty_tensor_for_exchange(
         md = unneeded_shards[shard_id]
         return empty_for_collective(_flat_or_local_shape(md), md.dtype, group), None
     orig_device = needed.data.device if needed.data is not None else None
-    tensor = empty_for_collective(_flat_or_local_shape(needed), needed.dtype, group)
+    tensor = _destination_as_buffer(needed, group)
+    if tensor is None:
+        tensor = empty_for_collective(_flat_or_local_shape(needed), needed.dtype, group)
     loaded_tensors[shard_id] = tensor
     return tensor, orig_device
+
+
+def _destination_as_buffer(needed: ShardedTensor, group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
+    """The shard's own destination as the receive buffer, when the group's backend can write it
+    (on its device: CUDA for NCCL, the host for gloo; contiguous; as many elements): received in
+    place, as Megatron-Core does, with no buffer of the shard's size and no copy after. None
+    otherwise."""
+    data = needed.data
+    shape = _flat_or_local_shape(needed)
+    if (data is None or data.device != collective_device(group) or not data.is_contiguous()
+            or data.dtype != needed.dtype or data.numel() != math.prod(shape)):
+        return None
+    return data.detach().view(shape)
 
 
 def _flat_or_local_shape(md: ShardedTensor) -> Tuple[int, ...]:
@@ -219,7 +235,8 @@ def exchange_loaded_tensors_gather_object(
     for tensors in gathered:
         for sid, tensor in (tensors or {}).items():
             if sid in unloaded_shards:
-                result[sid] = tensor
+                destination = unloaded_shards[sid].data  # sent from host memory: back where it is needed
+                result[sid] = tensor.to(destination.device) if destination is not None else tensor
     return result
 
 

@@ -211,9 +211,10 @@ def _refuse_allocating_globals(source: IO[bytes], what: str) -> None:
 
 
 def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: str,
-                    extra_globals: Iterable[Any] = (), **kwargs: Any) -> Any:
-    """``torch.load`` to CPU with the allowlist (and ``extra_globals``, the caller's own classes
-    for this load only); ``what`` names the file/item in errors.
+                    extra_globals: Iterable[Any] = (), map_location: Any = "cpu", **kwargs: Any) -> Any:
+    """``torch.load`` with the allowlist (and ``extra_globals``, the caller's own classes for this
+    load only); ``what`` names the file/item in errors. Tensors come back on the CPU unless
+    ``map_location`` (torch's meaning) says otherwise.
 
     The allowlist belongs to this call alone: torch's weights-only defaults, the entries a user
     gave torch's own ``add_safe_globals`` (read, never changed), dist_ckpt's and the caller's,
@@ -224,13 +225,13 @@ def safe_torch_load(source: Union[str, pathlib.Path, IO[bytes], bytes], what: st
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     if is_trusted_unpickling():
-        return torch.load(source, map_location="cpu", weights_only=False, **kwargs)
+        return torch.load(source, map_location=map_location, weights_only=False, **kwargs)
     if isinstance(source, (str, pathlib.Path)):
         source = io.BytesIO(pathlib.Path(source).read_bytes())
     _refuse_allocating_globals(source, what)
     module = _restricted_pickle_module(torch_load_allowlist(extra_globals))
     try:
-        return _torch_load_with(module, source, **kwargs)
+        return _torch_load_with(module, source, map_location, **kwargs)
     except _LOAD_ERRORS as e:
         raise _translate(what, e) from None
 
@@ -277,15 +278,15 @@ def _restricted_pickle_module(allowed: Dict[str, Any]) -> types.ModuleType:
     return module
 
 
-def _torch_load_with(module: types.ModuleType, source: IO[bytes], **kwargs: Any) -> Any:
+def _torch_load_with(module: types.ModuleType, source: IO[bytes], map_location: Any, **kwargs: Any) -> Any:
     """``torch.load`` through ``module``. Where ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` is set, torch
     refuses any pickle module (its own global allowlist would be the only way): the zip file
     is then read by torch's loader under the same restricted module, which is as strict."""
     if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() not in ("1", "y", "yes", "true"):
-        return torch.load(source, map_location="cpu", weights_only=False, pickle_module=module, **kwargs)
+        return torch.load(source, map_location=map_location, weights_only=False, pickle_module=module, **kwargs)
     source.seek(0)
     with torch.serialization._open_zipfile_reader(source) as zip_file:
-        return torch.serialization._load(zip_file, "cpu", module, encoding="utf-8", **kwargs)
+        return torch.serialization._load(zip_file, map_location, module, encoding="utf-8", **kwargs)
 
 
 def plain_pickle_builtins() -> Dict[str, Any]:

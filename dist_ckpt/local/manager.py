@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..core import CheckpointExistsError, CheckpointingException
 from ..mapping import ShardedObject, ShardedTensor
 from ..runtime.collectives import DistWrapper
+from ..runtime.devices import host_copy
 from ..storage.local_parts import DIRTY_SUFFIX, Destination, PartFile, read_part, remove_part, write_part
 from ..strategies.async_utils import AsyncRequest
 from ..strategies.dcp.staging import StagingBuffers
@@ -220,7 +221,7 @@ class LocalCheckpointManager:
         to_write = tensors
         if is_async:  # copies, in buffers reused from the previous saves (no new pages to fault in)
             lease = self.staging.stage([t.detach() for t in tensors])
-            to_write = [b if b is not None else t.detach().cpu().clone() for b, t in zip(lease.buffers, tensors)]
+            to_write = [b if b is not None else host_copy(t) for b, t in zip(lease.buffers, tensors)]
         ticket = self.repl_strategy.turns.take() if self.repl_strategy is not None else None
         self.latest_iteration = -1  # find_latest looks again after this save
         started = threading.Event()

@@ -35,6 +35,8 @@ import torch.distributed as dist
 
 from ..core import CheckpointingException
 from ..integrity.manifest import new_hasher
+from ..runtime.collectives import collective_device, empty_for_collective, to_collective_device
+from ..runtime.devices import host_copy, is_host_memory
 from ..storage.local_parts import PartFile, PartReceiver, remove_part
 
 logger = logging.getLogger(__name__)
@@ -226,8 +228,13 @@ class CliqueReplicationStrategy:
                     kept.append(owner)
         return kept
 
+    @property
+    def _on_host(self) -> bool:
+        """Whether the group's backend takes host tensors (gloo; else chunks travel through the GPU)."""
+        return collective_device(self.local_group).type == "cpu"
+
     def _header(self, values: Sequence[int], src: int) -> List[int]:
-        header = torch.tensor(list(values), dtype=torch.int64)
+        header = to_collective_device(torch.tensor(list(values), dtype=torch.int64), self.local_group)
         dist.broadcast(header, src=src, group=self.local_group)
         return header.tolist()
 
@@ -262,7 +269,9 @@ class CliqueReplicationStrategy:
                     hasher.update(view)
                 if in_flight is not None:
                     in_flight.wait()
-                in_flight = dist.broadcast(chunk, src=me, group=self.local_group, async_op=True)
+                # on the device the group's backend needs (a caller's NCCL group: the GPU)
+                wire = to_collective_device(chunk, self.local_group)
+                in_flight = dist.broadcast(wire, src=me, group=self.local_group, async_op=True)
             if in_flight is not None:
                 in_flight.wait()
         digest = written.digest if written is not None else hasher.intdigest()
@@ -288,13 +297,14 @@ class CliqueReplicationStrategy:
             received = None  # the previous chunk, written while this one arrives
             for index, start in enumerate(range(0, size, CHUNK_BYTES)):
                 chunk = buffers[index % 2][: min(CHUNK_BYTES, size - start)]
-                arriving = dist.broadcast(chunk, src=owner, group=self.local_group, async_op=True)
+                wire = chunk if self._on_host else empty_for_collective(chunk.shape, chunk.dtype, self.local_group)
+                arriving = dist.broadcast(wire, src=owner, group=self.local_group, async_op=True)
                 if receiver is not None and received is not None:
-                    receiver.write(received.numpy().data)
+                    receiver.write(_host_bytes(received))
                 arriving.wait()
-                received = chunk
+                received = wire
             if receiver is not None and received is not None:
-                receiver.write(received.numpy().data)
+                receiver.write(_host_bytes(received))
             intact, digest = self._header([0, 0], owner)
         except BaseException:
             if receiver is not None:
@@ -368,6 +378,11 @@ def _new_clique_groups(jump: int, factor: int, timeout: timedelta) -> Tuple[dist
     if mine[0] is None:
         raise ReplicationConfigError(f"rank {me} is in none of the cliques {cliques}")
     return mine[0], mine[1]
+
+
+def _host_bytes(chunk: torch.Tensor) -> memoryview:
+    """A received chunk's bytes in host memory (copied from the device a group's backend uses)."""
+    return (chunk if is_host_memory(chunk) else host_copy(chunk)).numpy().data
 
 
 def _chunk_buffers(size: int) -> List[torch.Tensor]:

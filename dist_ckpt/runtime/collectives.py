@@ -12,6 +12,7 @@ Works without a process group (one process): collectives become identities.
 from __future__ import annotations
 
 import pickle
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, TypeVar, cast
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..core import CheckpointingException
 
-__all__ = ["DistWrapper", "RankFailure", "Streamed", "get_rank", "get_world_size", "collective_device", "to_collective_device",
+__all__ = ["DistWrapper", "RankFailure", "Streamed", "get_rank", "get_world_size", "collective_device", "control_group", "to_collective_device",
            "empty_for_collective"]
 
 T = TypeVar("T")
@@ -53,6 +54,32 @@ def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device
     if all("cpu" not in capabilities.get(name, ["cuda"] if name == "nccl" else ["cpu"]) for name in names):
         return _accelerator_device()
     return torch.device("cpu")
+
+
+_control: List[Any] = [None, None]  # the default group a control group was made for, and that gloo group
+_control_lock = threading.Lock()
+
+
+def control_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.ProcessGroup]:
+    """The group that small control messages of ``group`` (votes, flags: a few integers) go over.
+
+    ``group`` itself when its backend takes host tensors. For the default group on an accelerator
+    backend (NCCL), a gloo group of the same ranks, made at the first such message (every rank
+    reaches it together: the message is a collective) and kept while that default group lives.
+    Why: a vote over NCCL is a kernel on the GPU's stream, queued behind the step's work, and its
+    result comes back with ``.item()``, which waits for that stream: an async save polled every
+    training step would stall every step until the GPU drained. Megatron-Core does that; over gloo
+    the vote is host-only. A subgroup on NCCL keeps NCCL (a new group needs every rank of the job)."""
+    if collective_device(group).type == "cpu":
+        return group
+    world = dist.group.WORLD
+    if group is not None and group is not world:
+        return group
+    with _control_lock:
+        if _control[0] is not world:
+            _control[1] = dist.new_group(backend="gloo")
+            _control[0] = world
+        return cast(Optional[dist.ProcessGroup], _control[1])
 
 
 def _accelerator_device() -> torch.device:
@@ -200,8 +227,9 @@ class DistWrapper:
     def all_reduce_min(self, value: int) -> int:
         if not self.use_dist:
             return value
-        t = to_collective_device(torch.tensor([value], dtype=torch.int64), self.group)
-        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group))
+        group = control_group(self.group)
+        t = to_collective_device(torch.tensor([value], dtype=torch.int64), group)
+        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group))
         return int(t.item())
 
     def all_reduce_max(self, values: Sequence[int]) -> List[int]:
@@ -209,8 +237,9 @@ class DistWrapper:
         any rank still writing?" and "has any rank failed?" at once)."""
         if not self.use_dist:
             return list(values)
-        t = to_collective_device(torch.tensor(list(values), dtype=torch.int64), self.group)
-        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group))
+        group = control_group(self.group)
+        t = to_collective_device(torch.tensor(list(values), dtype=torch.int64), group)
+        self._collective("all_reduce", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
         return [int(v) for v in t.tolist()]
 
     def _global(self, group_rank: int) -> int:

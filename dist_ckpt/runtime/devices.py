@@ -36,6 +36,10 @@ __all__ = [
     "device_copies",
     "copy_to_device",
     "HostCopies",
+    "host_copy",
+    "device_exists",
+    "saved_device_or_cpu",
+    "to_saved_device",
 ]
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -208,3 +212,44 @@ class HostCopy:
             self._done.synchronize()
             self._done = None
         return self._host
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain, contiguous host tensor with ``tensor``'s values: one copy, wherever ``tensor``
+    lives (``.cpu().clone()`` of a GPU tensor copies twice; ``.cpu()`` of a host tensor subclass
+    may return the subclass itself)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
+    host.copy_(tensor.detach())
+    return host
+
+
+def device_exists(location: str) -> bool:
+    """Whether the device ``location`` names ("cpu", "cuda", "cuda:1", ...) is usable here."""
+    try:
+        device = torch.device(location)
+    except (RuntimeError, TypeError):
+        return False
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    return False
+
+
+def saved_device_or_cpu(storage: Any, location: str) -> Any:
+    """``torch.load``'s ``map_location`` for objects that come back where they were saved (as
+    Megatron-Core loads ShardedObjects): the saved device when it exists here, else the CPU (where
+    Megatron-Core fails: a checkpoint saved on a GPU node stays readable on a CPU-only one).
+    (None tells torch to restore the saved location; a storage is kept where it is, the CPU.)"""
+    return None if device_exists(location) else storage
+
+
+def to_saved_device(tensor: torch.Tensor, location: Optional[str]) -> torch.Tensor:
+    """``tensor`` (read into host memory) moved to ``location``, the device it was saved from,
+    when that device exists here; else left on the CPU."""
+    if location is None or not device_exists(location) or torch.device(location).type == "cpu":
+        return tensor
+    moved = tensor.to(location)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    return moved.requires_grad_(tensor.requires_grad)

@@ -17,7 +17,9 @@ Layout (little-endian), chosen so a reader can verify without trusting anything 
     state: pickle protocol 5 of the state without its tensors, each tensor a persistent id
     table: JSON {"state": [offset, length, xxh3],
                  "tensors": [[dtype, shape, offset, length, xxh3], ...],
-                 "state_tensors": [[dtype, shape, offset, length, xxh3, kind], ...]}
+                 "state_tensors": [[dtype, shape, offset, length, xxh3, kind, device], ...]}
+    (``device``: where the tensor was, e.g. "cuda:0"; it comes back there when that device
+    exists, else on the CPU. Parts without it come back on the CPU.)
     trailer: u64 table offset, u64 table length, u64 xxh3 of the table, b"DCKLOCAL"
 
 Verification reads JSON and hashes bytes, nothing is unpickled before every checksum matched;
@@ -35,13 +37,15 @@ import pickle
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, cast
 
 import torch
 
 from ..core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError
 from ..integrity.manifest import hash_bytes, new_hasher
 from ..integrity.safe_unpickle import globals_by_name, plain_pickle_builtins, safe_pickle_load, safe_torch_load
+from ..runtime.devices import (DeviceCopies, accelerator_in_use, host_buffer, host_copy, is_host_memory,
+                               to_saved_device)
 
 __all__ = [
     "DIRTY_SUFFIX",
@@ -77,7 +81,8 @@ def _aligned(offset: int) -> int:
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().cpu().contiguous().view(-1)
+    tensor = tensor.detach()
+    flat = (tensor.contiguous() if is_host_memory(tensor) else host_copy(tensor)).view(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return flat.view(torch.uint8).numpy().data
@@ -135,7 +140,8 @@ def write_part(path: Path, state: Any, tensors: Sequence[torch.Tensor],
             out = _HashingFile(raw)
             out.write(_PREAMBLE.pack(MAGIC, VERSION, 0))
             tensor_table = [_write_tensor(out, tensor) for tensor in tensors]
-            state_tensor_table = [_write_tensor(out, tensor) + [_tensor_kind(tensor)] for tensor in state_tensors]
+            state_tensor_table = [_write_tensor(out, tensor) + [_tensor_kind(tensor), str(tensor.device)]
+                                  for tensor in state_tensors]
             state_entry = [out.pos, len(state_bytes), hash_bytes(state_bytes)]
             out.write(state_bytes)
             table = json.dumps({"state": state_entry, "tensors": tensor_table,
@@ -238,11 +244,14 @@ def read_part(path: Path, allowed_globals: Iterable[Any] = (),
     """(state, tensors) of a part file, every byte verified; ``CorruptCheckpointError`` names
     what is wrong.
 
-    ``destination(state, i, dtype, shape)`` may name where tensor ``i`` goes (a contiguous CPU
-    tensor of that dtype and shape, e.g. the model's own): its bytes are then read straight into
-    it, one copy from the page cache or tmpfs, and verified there (if they fail, that tensor
-    holds the damaged bytes and the error is raised). Other tensors get fresh memory."""
+    ``destination(state, i, dtype, shape)`` may name where tensor ``i`` goes (a tensor of that
+    dtype and shape, e.g. the model's own): a contiguous one in host memory gets its bytes read
+    straight into it, one copy from the page cache or tmpfs, and verified there (if they fail,
+    that tensor holds the damaged bytes and the error is raised); one in device memory gets them
+    through a reused host buffer, verified before they are copied in, so restoring a GPU state
+    needs no second copy of it on the GPU. Other tensors get fresh host memory."""
     where = str(path)
+    staging = _DeviceStaging()
     with open(path, "rb") as f:
         fd = f.fileno()
         size = os.fstat(fd).st_size
@@ -256,13 +265,20 @@ def read_part(path: Path, allowed_globals: Iterable[Any] = (),
             dtype_name, shape, offset, nbytes, digest = entry[:5]
             dtype, shape = getattr(torch, dtype_name), tuple(shape)
             if target is None or not _fits(target, dtype, shape):
-                target = torch.empty(shape, dtype=dtype)
-            view = _writable_bytes(target)
+                target = None
+            into_device = target is not None and not is_host_memory(target)
+            host = torch.empty(shape, dtype=dtype) if target is None or into_device else target
+            if into_device:  # through one reused host buffer, verified there, then copied
+                host = staging.buffer(host)
+            view = _writable_bytes(host)
             _pread_into(fd, view, offset, where)
             if hash_bytes(view) != digest:
                 raise CorruptCheckpointError(f"local checkpoint part {where}: {what} ({nbytes} bytes at offset "
                                              f"{offset}) fails its checksum")
-            return target
+            if into_device:
+                staging.copy(cast(torch.Tensor, target), host)
+                return cast(torch.Tensor, target)
+            return host
 
         version, table = _frame(size, read_at, where)
         offset, length, digest = table["state"]
@@ -274,7 +290,8 @@ def read_part(path: Path, allowed_globals: Iterable[Any] = (),
         if version == 1:
             state = safe_torch_load(bytes(state_bytes), what=what, extra_globals=allowed_globals)
         else:
-            state_tensors = [_as_kind(read_tensor(f"state tensor {i}", entry, None), entry[5], where)
+            state_tensors = [to_saved_device(_as_kind(read_tensor(f"state tensor {i}", entry, None), entry[5], where),
+                                             entry[6] if len(entry) > 6 else None)
                              for i, entry in enumerate(table["state_tensors"])]
             state = _unpickle_state(bytes(state_bytes), state_tensors, what, allowed_globals)
         tensors = []
@@ -295,8 +312,31 @@ def _as_kind(tensor: torch.Tensor, kind: Any, where: str) -> torch.Tensor:
 
 
 def _fits(tensor: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...]) -> bool:
-    return (tensor.dtype == dtype and tuple(tensor.shape) == shape and tensor.device.type == "cpu"
-            and tensor.is_contiguous())
+    """Whether a destination takes the tensor as stored: same dtype and shape, and (host memory,
+    read straight into) contiguous, or in device memory (copied in from a host buffer)."""
+    return (tensor.dtype == dtype and tuple(tensor.shape) == shape
+            and (tensor.is_contiguous() or not is_host_memory(tensor)))
+
+
+class _DeviceStaging:
+    """The host buffer that tensors bound for device memory are read into and verified in, one at
+    a time, then copied to their destination: peak device memory stays the destinations, and
+    host memory one tensor (grown to the largest). Each copy finishes before the buffer is reused."""
+
+    def __init__(self) -> None:
+        self._memory = torch.empty(0, dtype=torch.uint8)
+        self._copies = DeviceCopies()
+
+    def buffer(self, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        if self._memory.numel() < nbytes:
+            self._memory = host_buffer(nbytes, accelerator_in_use())
+        return self._memory[:nbytes].view(like.dtype).view(like.shape)
+
+    def copy(self, target: torch.Tensor, host: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._copies.copy(target.detach(), host)
+        self._copies.wait()
 
 
 def _writable_bytes(tensor: torch.Tensor) -> memoryview:

@@ -17,6 +17,7 @@ from ..integrity.manifest import HashingWriter, read_verified, recorder_for
 from ..integrity.safe_unpickle import safe_torch_load
 from ..mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from ..runtime.collectives import get_rank
+from ..runtime.devices import saved_device_or_cpu
 from ..runtime.durable import fsync_directory, replacing
 from .base import LoadCommonStrategy, SaveCommonStrategy, StrategyAction, register_default_strategy
 
@@ -102,7 +103,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                     )
                 path = legacy
             data = read_verified(checkpoint_dir, path.relative_to(checkpoint_dir).as_posix(), sh_obj.unique_key)
-            return safe_torch_load(data, what=str(path))
+            return safe_torch_load(data, what=str(path), map_location=saved_device_or_cpu)  # as Megatron-Core
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 

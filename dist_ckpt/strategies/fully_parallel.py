@@ -165,7 +165,8 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             tensor = tensors[shard_id(sh)]
             if sh.data is None:
                 return tensor
-            if sh.data is not tensor:  # on this thread alone, no OpenMP team (see copy_in_this_thread)
+            if sh.data is not tensor and not _same_memory(sh.data, tensor):  # else received in place
+                # on this thread alone, no OpenMP team (see copy_in_this_thread)
                 copy_in_this_thread(sh.data.detach(), tensor.view(sh.data.shape))
             return sh.data
 
@@ -190,6 +191,12 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
     @property
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
+
+
+def _same_memory(destination: torch.Tensor, received: torch.Tensor) -> bool:
+    """Whether the exchange received the shard into its destination itself (a view of it)."""
+    return (destination.device == received.device and destination.data_ptr() == received.data_ptr()
+            and destination.numel() == received.numel() and destination.is_contiguous())
 
 
 def _overlay(result: Any, loaded_rest: Dict[Any, Any]) -> Any:

@@ -25,16 +25,19 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict, _wrap_exception
 
+from ..runtime.collectives import collective_device, control_group
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["save_state_dict_async_plan", "verify_global_md_reuse", "save_state_dict_async_finalize"]
 
 
-def _flag_device(group: Any) -> torch.device:
-    """Where a collective's flag tensor must live for ``group``'s backend."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _flag_group(group: Any) -> Tuple[Any, torch.device]:
+    """The group a collective's flag goes over (``control_group``: off the NCCL stream where it
+    can be) and the device its backend needs the flag on ("nccl", "cuda:nccl", "cpu:gloo,cuda:nccl"
+    and any other spelling, by ``collective_device``)."""
+    control = control_group(group)
+    return control, collective_device(control)
 
 
 def save_state_dict_async_plan(
@@ -114,8 +117,9 @@ def verify_global_md_reuse(loaded_all_plans: Optional[List[SavePlan]], local_pla
                for f in fields(local_plan) if f.name != "storage_data")
     if not dist_wrapper.use_dist:
         return same
-    flag = torch.tensor([1 if same else 0], dtype=torch.int, device=_flag_device(dist_wrapper.group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=dist_wrapper.group)
+    group, device = _flag_group(dist_wrapper.group)
+    flag = torch.tensor([1 if same else 0], dtype=torch.int, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item() == 1)
 
 
@@ -136,8 +140,9 @@ def save_state_dict_async_finalize(storage_writer: Any, global_metadata: Optiona
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 node_failures = {dist_wrapper.coordinator_rank: _wrap_exception(e)}
     if dist_wrapper.use_dist:
-        flag = torch.tensor([int(bool(node_failures))], dtype=torch.int, device=_flag_device(dist_wrapper.group))
-        dist.broadcast(flag, src=dist_wrapper.global_coordinator_rank, group=dist_wrapper.group)
+        group, device = _flag_group(dist_wrapper.group)
+        flag = torch.tensor([int(bool(node_failures))], dtype=torch.int, device=device)
+        dist.broadcast(flag, src=dist_wrapper.global_coordinator_rank, group=group)
         failed = bool(flag.item())
     else:
         failed = bool(node_failures)

@@ -33,6 +33,7 @@ from ...integrity.manifest import recorder_for
 from ...integrity.safe_unpickle import safe_torch_load
 from ...mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from ...runtime.collectives import DistWrapper
+from ...runtime.devices import saved_device_or_cpu
 from ...storage.object_store import destination_of, note_written_at_destination
 from ..async_utils import AsyncRequest
 from ..filesystem import FileSystemReader
@@ -113,7 +114,7 @@ class _SafeObjectsLoadPlanner(MCoreLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        loaded = safe_torch_load(value.getvalue(), what=f"object '{fqn}'")
+        loaded = safe_torch_load(value.getvalue(), what=f"object '{fqn}'", map_location=saved_device_or_cpu)
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes puts it
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
@@ -141,7 +142,8 @@ def load_through_dcp(sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
         if isinstance(x, ShardedObject):
             loaded = pyt_state_dict[x.unique_key]
             if isinstance(loaded, io.BytesIO):
-                loaded = safe_torch_load(loaded.getvalue(), what=f"object '{x.unique_key}'")
+                loaded = safe_torch_load(loaded.getvalue(), what=f"object '{x.unique_key}'",
+                                         map_location=saved_device_or_cpu)
             return loaded[0] if isinstance(loaded, list) and len(loaded) == 1 else loaded
         return x
 

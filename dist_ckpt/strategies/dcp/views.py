@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from ...core import CorruptCheckpointError
 from ...integrity.safe_unpickle import safe_torch_load
 from ...mapping import ShardedTensor
+from ...runtime.devices import saved_device_or_cpu
 from .plan import ReadTask
 from .chunk_copy import copy_in_this_thread, same_size_ints
 
@@ -56,7 +57,8 @@ class ViewLoadPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        loaded = safe_torch_load(value, what=f"ShardedObject '{fqn}'")
+        # on the device it was saved from, as Megatron-Core returns it (the CPU where that is missing)
+        loaded = safe_torch_load(value, what=f"ShardedObject '{fqn}'", map_location=saved_device_or_cpu)
         if not isinstance(loaded, list) or len(loaded) != 1:
             raise CorruptCheckpointError(f"ShardedObject '{fqn}' must be stored as a one-element list")
         self.objects[fqn] = loaded[0]
