@@ -177,3 +177,223 @@ def _fully_parallel_into_device(rank: int, world: int, ckpt: str) -> list:
 
 def test_fully_parallel_save_and_load_with_device_tensors(tmp_path):
     assert run_distributed(_fully_parallel_into_device, 2, str(tmp_path / "c")) == [[True], [True]]
+
+
+# -- the writer process, staged device tensors ----------------------------------------------------
+
+_MARK = None  # set in the test process; a spawned writer imports this module afresh
+
+
+def _inherited_mark() -> object:
+    return _MARK
+
+
+def test_the_writer_process_is_spawned_once_cuda_is_initialised(tmp_path, monkeypatch):
+    """A forked writer inherits CUDA's context and NCCL's communicators (Megatron-Core spawns its
+    worker): once CUDA is initialised the writer is spawned, and an async save of device tensors
+    through it, staged in shared memory, round-trips."""
+    import test_devices
+
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller, writer_start_method
+
+    assert writer_start_method() == "fork"  # this process never touched CUDA
+    monkeypatch.setattr(test_devices, "_MARK", "parent")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert writer_start_method() == "spawn"
+    caller = PersistentAsyncCaller()
+    try:
+        request = AsyncRequest(test_devices._inherited_mark, (), [])
+        caller.schedule_async_call(request)
+        assert caller.is_current_async_call_done(request, blocking=True)
+        assert request.async_error is None and request.async_result is None  # nothing inherited
+    finally:
+        caller.close()
+
+    state = {"w": _values((256, 64), torch.bfloat16), "n": _values((33,), torch.int64)}
+    live = on_device({k: v.clone() for k, v in state.items()})
+    strategy = TorchDistSaveShardedStrategy(async_writer="process")
+    request = dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in live.items()}, tmp_path / "c",
+                             sharded_strategy=strategy, async_sharded_save=True)
+    for v in live.values():
+        v.zero_()  # the step after save() returned
+    queue = dist_ckpt.AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.empty_like(v)) for k, v in state.items()},
+                            tmp_path / "c")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_staging_buffers_are_reused_for_device_tensors(tmp_path):
+    """Three async saves of device tensors stage into the same buffers (one set, reused), and each
+    checkpoint holds the values of its own step."""
+    live = on_device({"w": torch.zeros(128, 128), "b": torch.zeros(7)})
+    strategy = TorchDistSaveShardedStrategy()
+    for step in range(3):
+        for v in live.values():
+            v.fill_(float(step))
+        request = dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in live.items()},
+                                 tmp_path / f"s{step}", sharded_strategy=strategy, async_sharded_save=True)
+        for v in live.values():
+            v.fill_(-1.0)
+        request.execute_sync()
+    assert strategy._staging is not None and strategy._staging.reused_bytes == (128 * 128 + 7) * 4
+    for step in range(3):
+        loaded = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(128, 128)),
+                                 "b": ShardedTensor.from_rank_offsets("b", torch.empty(7))}, tmp_path / f"s{step}")
+        assert torch.equal(loaded["w"], torch.full((128, 128), float(step))) and torch.equal(loaded["b"], torch.full((7,), float(step)))
+
+
+# -- objects and the local tier: results where Megatron-Core puts them ----------------------------
+
+
+def test_objects_come_back_on_their_saved_device_or_the_cpu(tmp_path, monkeypatch):
+    """Megatron-Core loads ShardedObjects with ``torch.load`` and no ``map_location``: a tensor
+    in one comes back on the device it was saved from (and the load fails on a machine without
+    it). dist_ckpt restores the saved device where it exists, else the CPU."""
+    from dist_ckpt.runtime import devices
+
+    saved_on_gpu = {"rng": torch.arange(5)}
+    real_tag = torch.serialization.location_tag
+    with monkeypatch.context() as m:  # torch.save records the tensor as saved from cuda:0
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        dist_ckpt.save({"o": ShardedObject("o", saved_on_gpu, (1,), (0,))}, tmp_path / "c")
+    assert torch.serialization.location_tag is real_tag
+    with pytest.raises(RuntimeError, match="CUDA"):  # what a plain torch.load (Megatron-Core's) does here
+        torch.load(io.BytesIO(_object_blob(saved_on_gpu, monkeypatch)), weights_only=False)
+    loaded = dist_ckpt.load({"o": ShardedObject("o", None, (1,), (0,))}, tmp_path / "c")
+    assert loaded["o"]["rng"].device.type == "cpu" and torch.equal(loaded["o"]["rng"], torch.arange(5))
+    assert devices.saved_device_or_cpu("storage", "cuda:0") == "storage"  # kept on the CPU
+    assert devices.saved_device_or_cpu("storage", "cpu") is None  # torch's default: where it was saved
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert devices.saved_device_or_cpu("storage", "cuda:1") is None and devices.device_exists("cuda:1")
+    assert devices.saved_device_or_cpu("storage", "cuda:2") == "storage"
+
+
+def _object_blob(value, monkeypatch) -> bytes:
+    buffer = io.BytesIO()
+    with monkeypatch.context() as m:
+        m.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def test_local_tier_saves_from_and_restores_into_device_tensors_in_place(tmp_path):
+    """The local tier restores into the request's device tensors through one host buffer: the
+    results are the request's own tensors (same memory), nothing of the state's size allocated
+    on the device (before: fresh tensors, then a copy: twice the state on the GPU)."""
+    from dist_ckpt import CheckpointManager
+
+    def state(tensors):
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in tensors.items()}
+
+    saved = {"w": _values((256, 32), torch.float32), "e": _values((1000,), torch.bfloat16)}
+    for async_save in (False, True):
+        root = tmp_path / f"async{async_save}"
+        live = on_device({k: v.clone() for k, v in saved.items()})
+        with CheckpointManager(root / "persistent", async_save=async_save, local_dir=root / "local", local_every=1,
+                               persistent_every=100) as manager:
+            manager.save(1, state(live))
+            for v in live.values():
+                v.zero_()
+            manager.wait()
+        targets = on_device({k: torch.full_like(v, 7) for k, v in saved.items()})
+        addresses = {k: v.data_ptr() for k, v in targets.items()}
+        loaded = CheckpointManager(root / "persistent", local_dir=root / "local", local_every=1,
+                                   persistent_every=100).load(state(targets))
+        for k, v in saved.items():
+            assert loaded[k] is targets[k] and targets[k].data_ptr() == addresses[k]
+            _assert_filled_in_place(targets[k], v)
+
+
+def test_local_parts_record_where_state_tensors_were(tmp_path, monkeypatch):
+    """Tensors left in the common state (RNG states) come back on their saved device where it
+    exists (the CPU here), from a part that records it; parts without the record give the CPU."""
+    import json
+
+    from dist_ckpt.storage import local_parts
+
+    path = tmp_path / "part"
+    local_parts.write_part(path, {"rng": torch.arange(4)}, [torch.ones(3)])
+    with open(path, "rb") as f:
+        data = f.read()
+    offset, length = local_parts._TRAILER.unpack(data[-local_parts._TRAILER.size:])[:2]
+    table = json.loads(data[offset:offset + length])
+    assert table["state_tensors"][0][6] == "cpu"
+    moved = []
+    monkeypatch.setattr(local_parts, "to_saved_device", lambda t, where: moved.append(where) or t)
+    state, tensors = local_parts.read_part(path)
+    assert moved == ["cpu"] and torch.equal(state["rng"], torch.arange(4)) and torch.equal(tensors[0], torch.ones(3))
+
+
+# -- NCCL: control messages off its stream, replication over a caller's NCCL group ---------------
+
+
+def _votes_under_nccl(rank: int, world: int, ckpt: str) -> list:
+    import pytest as _pytest
+    import torch.distributed as dist
+
+    from test_concurrency import _NcclDouble
+
+    from dist_ckpt.runtime.collectives import control_group
+
+    groups = []
+    with _pytest.MonkeyPatch.context() as m:
+        double = _NcclDouble(m)
+        counted = dist.all_reduce
+
+        def recording(tensor, *args, group=None, **kwargs):
+            groups.append(group)
+            return counted(tensor, *args, group=group, **kwargs)
+
+        m.setattr(dist, "all_reduce", recording)
+        state = {"w": ShardedTensor.from_rank_offsets("w", torch.full((4, 4), float(rank)), (0, rank, world))}
+        request = dist_ckpt.save(state, ckpt, async_sharded_save=True)
+        queue = dist_ckpt.AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        while not queue.maybe_finalize_async_calls(blocking=False):
+            pass  # every step asks: the vote must not wait for the GPU's stream
+        queue.close()
+        twin = control_group(None)
+    loaded = dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4, 4), (0, rank, world))}, ckpt)
+    return [twin is not None and twin is not dist.group.WORLD, bool(groups) and all(g is twin for g in groups),
+            double.collectives > 0, torch.equal(loaded["w"], torch.full((4, 4), float(rank)))]
+
+
+def test_control_votes_of_an_nccl_default_group_go_over_a_gloo_twin(tmp_path):
+    """Every vote of a pending async save, each training step, would be an NCCL kernel queued
+    behind the step and read back with ``.item()`` (a wait for the GPU): they go over a gloo group
+    of the same ranks instead, made once."""
+    assert run_distributed(_votes_under_nccl, 2, str(tmp_path / "c")) == [[True] * 4] * 2
+
+
+def _replicate_under_nccl(rank: int, world: int, root: str) -> list:
+    import pytest as _pytest
+    import torch.distributed as dist
+
+    from test_concurrency import _NcclDouble
+
+    from dist_ckpt import CheckpointManager
+    from dist_ckpt.local import CliqueReplicationStrategy
+
+    state = lambda v: {"w": ShardedTensor.from_rank_offsets("w", torch.full((64, 64), v + rank), (0, rank, world))}  # noqa: E731
+    with _pytest.MonkeyPatch.context() as m:
+        double = _NcclDouble(m)
+        nccl_group = dist.new_group([0, 1])  # a caller's group (NCCL, by the double)
+        manager = CheckpointManager(f"{root}/persistent", async_save=False, local_dir=f"{root}/local", local_every=1,
+                                    persistent_every=100)
+        manager.local.manager.repl_strategy = CliqueReplicationStrategy(nccl_group)
+        manager.save(1, state(1.0))
+        sent = double.collectives
+    kept = sorted(p.name for p in __import__("pathlib").Path(f"{root}/local").rglob("*") if p.is_file())
+    return [sent > 0, len(kept)]
+
+
+def test_replication_over_a_callers_nccl_group_sends_device_tensors(tmp_path):
+    """Headers and chunks of a part go over the caller's group on the device its backend needs
+    (before: CPU tensors, which NCCL refuses)."""
+    results = run_distributed(_replicate_under_nccl, 2, str(tmp_path))
+    assert all(r[0] for r in results), results
+    assert results[0][1] == results[1][1] >= 4  # each rank's own part and its peer's copy, both ranks

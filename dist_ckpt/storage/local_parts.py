@@ -58,8 +58,8 @@ __all__ = [
 ]
 
 MAGIC = b"DCKLOCAL"
-VERSION = 2  # 1: the state as a torch.save (still read)
-_READABLE_VERSIONS = (1, 2)
+VERSION = 3  # 1: the state as a torch.save; 2: state tensors without their device (both still read)
+_READABLE_VERSIONS = (1, 2, 3)
 _PICKLE_PROTOCOL = 5  # fixed: the same state gives the same bytes
 DIRTY_SUFFIX = ".dirty"  # a part being written; never read, removed by cleanup
 _PREAMBLE = struct.Struct("<8sII")
@@ -291,7 +291,7 @@ def read_part(path: Path, allowed_globals: Iterable[Any] = (),
             state = safe_torch_load(bytes(state_bytes), what=what, extra_globals=allowed_globals)
         else:
             state_tensors = [to_saved_device(_as_kind(read_tensor(f"state tensor {i}", entry, None), entry[5], where),
-                                             entry[6] if len(entry) > 6 else None)
+                                             entry[6] if version >= 3 else None)
                              for i, entry in enumerate(table["state_tensors"])]
             state = _unpickle_state(bytes(state_bytes), state_tensors, what, allowed_globals)
         tensors = []
@@ -379,7 +379,7 @@ def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Tuple[i
         for entry in table["tensors"]:
             _check_tensor_entry(entry, 5)
         for entry in table["state_tensors"]:
-            _check_tensor_entry(entry, 6)
+            _check_tensor_entry(entry, 7 if version >= 3 else 6)
         ranges = [table["state"]] + [entry[2:5] for entry in table["tensors"] + table["state_tensors"]]
         outside = any(offset < _PREAMBLE.size or offset + length > table_offset for offset, length, _ in ranges)
     except (ValueError, KeyError, TypeError) as e:

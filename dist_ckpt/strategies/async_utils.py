@@ -38,6 +38,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+import torch
 import torch.multiprocessing as torch_mp
 
 from ..core import CheckpointingException
@@ -56,6 +57,8 @@ __all__ = [
     "DEFAULT_WRITE_TIMEOUT_S",
     "AGREE_POLL_S",
     "WRITER_READY_TIMEOUT_S",
+    "SPAWNED_WRITER_READY_TIMEOUT_S",
+    "writer_start_method",
     "WriteStoppedForPeer",
 ]
 
@@ -63,6 +66,8 @@ DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this 
 AGREE_POLL_S = 0.2  # a blocking finalization asks the other ranks this often whether a write failed
 WRITER_READY_TIMEOUT_S = 10.0  # a forked writer that has not said it runs after this is stuck in the fork
 WRITER_START_ATTEMPTS = 3
+# a spawned writer imports torch before it says it runs: seconds, more on a loaded node
+SPAWNED_WRITER_READY_TIMEOUT_S = 180.0
 _READY = -1  # the token of the writer's first message: it runs
 
 
@@ -274,9 +279,22 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
             results.put((idx, "error", f"{type(e).__name__}: {e}"))
 
 
+def writer_start_method() -> str:
+    """How the persistent writer process is started: "spawn" once this process has initialised
+    CUDA, else "fork".
+
+    Why: a forked child inherits the parent's CUDA context, NCCL communicators and the objects
+    that own them; the first of those its garbage collector frees, or any CUDA call, breaks the
+    child or the parent's devices (Megatron-Core spawns its persistent worker for this reason). A
+    spawned child shares nothing but what it is sent: staged tensors in shared memory. A process
+    without CUDA forks, which starts in milliseconds where a spawned writer first imports torch."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
 class PersistentAsyncCaller(AsyncCaller):
-    """One writer process per rank, forked from the main thread at the first request and reused
-    (Megatron-Core's persistent caller). Requests run in order; their ``async_fn`` and
+    """One writer process per rank, started at the first request and reused (Megatron-Core's
+    persistent caller): forked from the main thread, or spawned once CUDA is initialised
+    (``writer_start_method``). Requests run in order; their ``async_fn`` and
     arguments go through a torch.multiprocessing queue (CPU tensors in shared memory: no copy
     when they were staged there). If the process dies (killed, out of memory) or a write runs
     past ``timeout_s`` (counted from the start of that write in the writer, not from its
@@ -304,12 +322,14 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         if self._process is not None and self._pending:  # their writer died: they fail now, not hang beside
             self._fail_dead_writer()                     # a new writer that never got them
-        if threading.current_thread() is not threading.main_thread():
+        method = writer_start_method()
+        if method == "fork" and threading.current_thread() is not threading.main_thread():
             raise CheckpointingException(
                 "the persistent checkpoint writer is started from the main thread only (forking from "
                 "another thread can deadlock the child); schedule the request from the main thread"
             )
-        ctx = torch_mp.get_context("fork")
+        ctx = torch_mp.get_context(method)
+        ready_timeout = WRITER_READY_TIMEOUT_S if method == "fork" else SPAWNED_WRITER_READY_TIMEOUT_S
         # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
         # thread, and a thread ending during the fork is what can hang the fork (below).
         retired = [self._jobs, self._results]
@@ -317,9 +337,9 @@ class PersistentAsyncCaller(AsyncCaller):
             self._jobs, self._results = ctx.Queue(), ctx.Queue()
             process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
                                   name="dist_ckpt-writer", daemon=True)
-            with helpers_starting("fork"):  # a Ctrl-C now is the training process's, not a traceback in the writer
+            with helpers_starting(method):  # a Ctrl-C now is the training process's, not a traceback in the writer
                 process.start()
-            if self._wait_until_ready(process):
+            if self._wait_until_ready(process, ready_timeout):
                 self._process = process
                 self._known_arenas = set()
                 logger.debug("started the persistent checkpoint writer, pid %d", process.pid)
@@ -329,20 +349,21 @@ class PersistentAsyncCaller(AsyncCaller):
             # process was starting or ending can leave the child waiting for ever for a lock
             # inside os.fork(), before any of our code runs. It says nothing; another fork works.
             logger.warning("the checkpoint writer process (pid %d) did not start within %.0f s (stuck in the fork); "
-                           "starting another", process.pid, WRITER_READY_TIMEOUT_S)
+                           "starting another", process.pid, ready_timeout)
             process.kill()
             process.join()
             self.forks_replaced += 1
             retired += [self._jobs, self._results]
         self._jobs = self._results = None
         raise CheckpointingException(
-            f"the background checkpoint writer process did not start ({WRITER_START_ATTEMPTS} forks, each stuck for "
-            f"{WRITER_READY_TIMEOUT_S:.0f} s); save synchronously or with async_writer=\"thread\""
+            f"the background checkpoint writer process did not start ({WRITER_START_ATTEMPTS} "
+            f"{'forks' if method == 'fork' else 'starts'}, each stuck for "
+            f"{ready_timeout:.0f} s); save synchronously or with async_writer=\"thread\""
         )
 
-    def _wait_until_ready(self, process: Any) -> bool:
-        """Whether the forked writer says it runs within ``WRITER_READY_TIMEOUT_S``."""
-        until = time.monotonic() + WRITER_READY_TIMEOUT_S
+    def _wait_until_ready(self, process: Any, timeout_s: float) -> bool:
+        """Whether the new writer says it runs within ``timeout_s``."""
+        until = time.monotonic() + timeout_s
         while time.monotonic() < until and process.is_alive():
             try:
                 token, _, _ = self._results.get(timeout=min(0.1, max(0.0, until - time.monotonic())))
