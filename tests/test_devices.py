@@ -17,7 +17,7 @@ from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.runtime.devices import is_host_memory
 from dist_ckpt.strategies.torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
-from device_double import DeviceMemoryAccess, DeviceTensor, is_device_tensor, on_device
+from device_double import DeviceMemoryAccess, is_device_tensor, on_device
 from dist_helpers import run_distributed
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64]
@@ -397,3 +397,52 @@ def test_replication_over_a_callers_nccl_group_sends_device_tensors(tmp_path):
     results = run_distributed(_replicate_under_nccl, 2, str(tmp_path))
     assert all(r[0] for r in results), results
     assert results[0][1] == results[1][1] >= 4  # each rank's own part and its peer's copy, both ranks
+
+
+def _index_parts_under_nccl(rank: int, world: int, ckpt: str) -> list:
+    import pytest as _pytest
+    import torch.distributed as dist
+
+    import dist_ckpt.pipeline.load as load_pipeline
+    from test_concurrency import _NcclDouble
+
+    from dist_ckpt.runtime.collectives import control_group
+
+    state = lambda v: {f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((4, 8), v + i), (0, rank, world))  # noqa: E731
+                       for i in range(4)}
+    dist_ckpt.save(state(1.0), ckpt)
+    groups = []
+    with _pytest.MonkeyPatch.context() as m:
+        _NcclDouble(m)
+        m.setattr(load_pipeline, "wants_index_part", lambda hosts: [True] * len(hosts))
+        m.setattr(load_pipeline, "INDEX_PART_MIN_BYTES", 0)
+        for name in ("isend", "recv"):
+            real = getattr(dist, name)
+            m.setattr(dist, name, lambda *a, real=real, group=None, **k: groups.append(group) or real(*a, group=group, **k))
+        loaded = dist_ckpt.load(state(0.0), ckpt)
+        twin = control_group(None)
+    return [bool(groups) and all(g is twin for g in groups) and twin is not dist.group.WORLD,
+            all(torch.equal(loaded[f"w{i}"], torch.full((4, 8), 1.0 + i)) for i in range(4))]
+
+
+def test_index_parts_go_point_to_point_over_the_gloo_twin_of_an_nccl_default_group(tmp_path):
+    """Point-to-point sends over NCCL set up a communicator per pair of ranks (unless the group
+    was made with ``device_id``): the coordinator's parts of the index go over the gloo twin."""
+    assert run_distributed(_index_parts_under_nccl, 3, str(tmp_path / "c")) == [[True, True]] * 3
+
+
+def test_megatron_style_preload_copies_device_tensors_into_fresh_host_memory():
+    """``FileSystemWriterAsync.preload_tensors`` (Megatron-Core's staging call): host copies of
+    device tensors, finished, sharing nothing with the originals, in plain host memory (before: a
+    tensor not on the CPU was copied with one blocking ``.to("cpu")`` each, and any other tensor that
+    is not host memory was cloned where it was)."""
+    from dist_ckpt.runtime.devices import is_host_memory
+    from dist_ckpt.strategies.filesystem_async import FileSystemWriterAsync
+
+    live = [on_device(torch.arange(6.0)), torch.arange(3)]
+    buckets = [("f0", "f0.distcp", ([], [("item0", live[0]), ("item1", live[1])]))]
+    (_, _, (_, copied)), = FileSystemWriterAsync.preload_tensors(buckets, True)
+    live[0].zero_()
+    live[1].zero_()
+    assert all(is_host_memory(t) for _, t in copied)
+    assert torch.equal(copied[0][1], torch.arange(6.0)) and torch.equal(copied[1][1], torch.arange(3))

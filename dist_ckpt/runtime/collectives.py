@@ -364,6 +364,7 @@ class DistWrapper:
             return self._send_each(lambda: global_fn([value]), fallback)
         blob, failure, exc = self._pack(value, failure, exc)
         gathered = self.gather_object((blob, failure))
+        control_group(self.group)  # made here, by every rank at once, if it is made at all
         if not self.is_coordinator:
             result, failures = self._receive()
             _raise_first(failures or [], exc)
@@ -398,13 +399,16 @@ class DistWrapper:
         return Streamed(mine, deferred)
 
     def _post(self, rank: int, message: torch.Tensor) -> List[Any]:
-        """Start sending ``message`` to ``rank`` (its length, then its bytes, on the group's
-        device: NCCL takes CUDA tensors only); the works to wait for."""
-        length = to_collective_device(torch.tensor([message.numel()], dtype=torch.int64), self.group)
-        message = to_collective_device(message, self.group)
+        """Start sending ``message`` to ``rank`` (its length, then its bytes, on the device of the
+        group it goes over: ``control_group``, a gloo twin of an NCCL default group, where each
+        pair of ranks sending over NCCL would set up a communicator of its own unless the group
+        was made with ``device_id``); the works to wait for."""
+        group = control_group(self.group)
+        length = to_collective_device(torch.tensor([message.numel()], dtype=torch.int64), group)
+        message = to_collective_device(message, group)
         dst = self._global(rank)
-        return self._collective("send", lambda: [dist.isend(length, dst=dst, group=self.group, tag=_STREAM_TAG),
-                                                 dist.isend(message, dst=dst, group=self.group, tag=_STREAM_TAG)])
+        return self._collective("send", lambda: [dist.isend(length, dst=dst, group=group, tag=_STREAM_TAG),
+                                                 dist.isend(message, dst=dst, group=group, tag=_STREAM_TAG)])
 
     def _post_to_each(self, ranks: Iterable[int], message: torch.Tensor) -> List[Any]:
         """``_post`` of one message to each of ``ranks`` but this one."""
@@ -418,10 +422,11 @@ class DistWrapper:
     def _receive(self) -> Any:
         """This rank's message from the coordinator (``_post``), unpickled."""
         src = self._global(self.coordinator_rank)
-        length = empty_for_collective((1,), torch.int64, self.group)
-        self._collective("recv", lambda: dist.recv(length, src=src, group=self.group, tag=_STREAM_TAG))
-        blob = empty_for_collective((int(length.item()),), torch.uint8, self.group)
-        self._collective("recv", lambda: dist.recv(blob, src=src, group=self.group, tag=_STREAM_TAG))
+        group = control_group(self.group)
+        length = empty_for_collective((1,), torch.int64, group)
+        self._collective("recv", lambda: dist.recv(length, src=src, group=group, tag=_STREAM_TAG))
+        blob = empty_for_collective((int(length.item()),), torch.uint8, group)
+        self._collective("recv", lambda: dist.recv(blob, src=src, group=group, tag=_STREAM_TAG))
         return pickle.loads(blob.cpu().numpy().tobytes())  # noqa: S301 - from this job's coordinator
 
     def all_reduce(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], R]) -> R:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ __all__ = [
     "copy_to_device",
     "HostCopies",
     "host_copy",
+    "host_snapshots",
     "device_exists",
     "saved_device_or_cpu",
     "to_saved_device",
@@ -221,6 +222,26 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     host = torch.empty(tensor.shape, dtype=tensor.dtype)
     host.copy_(tensor.detach())
     return host
+
+
+def host_snapshots(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Host copies of ``tensors`` that nothing else references, all finished when this returns
+    (a background writer reads them while training changes the originals). Host tensors are
+    cloned; device tensors copied non-blocking into pinned memory on a side stream ordered after
+    the caller's stream, with one synchronize for all of them (as Megatron-Core's
+    ``preload_tensors(non_blocking=True)`` followed by its synchronize)."""
+    copies = DeviceCopies(CallerStreams())
+    snapshots = []
+    for tensor in tensors:
+        tensor = tensor.detach()
+        if is_host_memory(tensor):
+            snapshots.append(tensor.clone(memory_format=torch.contiguous_format))
+            continue
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+        copies.copy(host, tensor)
+        snapshots.append(host)
+    copies.wait()
+    return snapshots
 
 
 def device_exists(location: str) -> bool:

@@ -328,7 +328,7 @@ class PersistentAsyncCaller(AsyncCaller):
                 "the persistent checkpoint writer is started from the main thread only (forking from "
                 "another thread can deadlock the child); schedule the request from the main thread"
             )
-        ctx = torch_mp.get_context(method)
+        ctx: Any = torch_mp.get_context(method)
         ready_timeout = WRITER_READY_TIMEOUT_S if method == "fork" else SPAWNED_WRITER_READY_TIMEOUT_S
         # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
         # thread, and a thread ending during the fork is what can hang the fork (below).

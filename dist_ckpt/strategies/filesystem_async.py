@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ..core import CheckpointingException
 from ..integrity.manifest import ManifestEntry, Recorder, recorder_for
+from ..runtime.devices import host_snapshots
 from .dcp.files import _buckets, write_dcp_file, write_dcp_metadata
 
 __all__ = ["FileSystemWriterAsync", "WriteBucket"]
@@ -80,15 +81,6 @@ def _split_by_separation_hint(buckets: List[List[WriteItem]], hint: Optional[str
         groups[""].append([item for item in bucket if not item.index.fqn.startswith(hint)])
         groups[hint].append([item for item in bucket if item.index.fqn.startswith(hint)])
     return groups
-
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy in host memory that nothing else references (the background write
-    reads it while training goes on)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        return tensor.to("cpu")
-    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 class FileSystemWriterAsync(FileSystemWriter):
@@ -169,8 +161,11 @@ class FileSystemWriterAsync(FileSystemWriter):
 
     @staticmethod
     def preload_tensors(write_buckets: List[WriteBucket], non_blocking: bool = True) -> List[WriteBucket]:
-        """The buckets with every tensor copied into host memory (module doc: a real copy on CPU)."""
-        return [(path, name, (bytes_data, [(item, _host_copy(t)) for item, t in tensor_data]))
+        """The buckets with every tensor copied into host memory (module doc: a real copy on CPU),
+        the copies finished (``non_blocking``: device tensors' copies are queued together, with one
+        synchronize at the end, instead of one blocking copy each)."""
+        snapshots = iter(host_snapshots([t for _, _, (_, tensor_data) in write_buckets for _, t in tensor_data]))
+        return [(path, name, (bytes_data, [(item, next(snapshots)) for item, _ in tensor_data]))
                 for path, name, (bytes_data, tensor_data) in write_buckets]
 
     @staticmethod

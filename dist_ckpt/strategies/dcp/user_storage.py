@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 
 from ...core import CheckpointingException
 from ...integrity.manifest import ManifestEntry, hash_bytes, new_hasher
+from ...runtime.devices import host_snapshots
 from ...storage.object_store import StorageError
 from .files import DCP_METADATA_FNAME
 
@@ -100,8 +101,9 @@ class BackgroundWrite:
 
     def _preload(self) -> Dict[MetadataIndex, Any]:
         """Host copies of the tensors (the training loop may change the originals at once)."""
-        return {index: value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
-                for index, value in self._data.items()}
+        tensors = [index for index, value in self._data.items() if isinstance(value, torch.Tensor)]
+        copies = dict(zip(tensors, host_snapshots([self._data[index] for index in tensors])))
+        return {index: copies.get(index, value) for index, value in self._data.items()}
 
     def _write(self, plan: SavePlan, data: Dict[MetadataIndex, Any]) -> None:
         if self.timeout_s is None:
