@@ -446,3 +446,22 @@ def test_megatron_style_preload_copies_device_tensors_into_fresh_host_memory():
     live[1].zero_()
     assert all(is_host_memory(t) for _, t in copied)
     assert torch.equal(copied[0][1], torch.arange(6.0)) and torch.equal(copied[1][1], torch.arange(3))
+
+
+@pytest.mark.parametrize("reader", ["zarr", "zarr-python"])
+def test_zarr_checkpoints_from_and_into_device_memory(tmp_path, reader):
+    """The legacy zarr format: saved from device tensors, loaded into them (by the default
+    reader, tensorstore, and by zarr-python), in place."""
+    from dist_ckpt.strategies.registry import get_default_strategy
+    from dist_ckpt.strategies.base import StrategyAction
+
+    saved = {"w": _values((64, 48), torch.bfloat16), "i": _values((10,), torch.int64)}
+    live = on_device({k: v.clone() for k, v in saved.items()})
+    dist_ckpt.save({k: ShardedTensor.from_rank_offsets(k, v) for k, v in live.items()}, tmp_path / "z", ("zarr", 1))
+    targets = on_device({k: torch.zeros_like(v) for k, v in saved.items()})
+    strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, reader, 1)
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in targets.items()}, tmp_path / "z",
+                            sharded_strategy=strategy)
+    for k, v in saved.items():
+        assert loaded[k] is targets[k]
+        _assert_filled_in_place(targets[k], v)

@@ -30,6 +30,7 @@ from ..core import CheckpointingException, CorruptCheckpointError, KeyMismatchEr
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity.manifest import load_manifest, update_manifest, verification, verification_enabled, verify_bytes
 from ..mapping import ShardedStateDict, ShardedTensor, StateDict
+from ..runtime.devices import host_copy, is_host_memory
 from ..sharding.geometry import Box, intersect
 from .base import LoadShardedStrategy
 
@@ -163,8 +164,11 @@ def _product(ranges: List[range]) -> Iterator[Tuple[int, ...]]:
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor (bfloat16 through ml_dtypes)."""
-    t = t.detach().cpu()
+    """A numpy view of a tensor in host memory, or of a host copy of any other (bfloat16 through
+    ml_dtypes)."""
+    t = t.detach()
+    if not is_host_memory(t):
+        t = host_copy(t)
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 

@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ...runtime.devices import is_host_memory
+
 __all__ = ["StoredTensor", "write_tensor_record", "written_layout", "locate_tensor_data", "layout_signature",
            "LayoutCache", "tensor_bytes"]
 
@@ -271,8 +273,8 @@ def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_c
     dist_ckpt manifest's xxh3 covers the bytes either way. ``expect_data(data_start, nbytes)``
     is told, before the first write, where in the blob the tensor's bytes will lie (a hashing
     stream hashes them in blocks: ``HashingWriter.expect_data``)."""
-    if not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError("write_tensor_record needs a contiguous CPU tensor")
+    if not tensor.is_contiguous() or not is_host_memory(tensor):
+        raise ValueError("write_tensor_record needs a contiguous tensor in host memory")
     layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
     data = tensor_bytes(tensor)
     crc = zlib.crc32(data) if zip_crc32 or len(data) < _ONE_WRITE else 0
