@@ -174,7 +174,6 @@ def copy_to_device(target: torch.Tensor, source: torch.Tensor) -> None:
     target.copy_(source)
 
 
-
 class HostCopies:
     """Device-to-host copies of one thread for a save: ``start`` queues a tensor's copy into host
     memory (pinned, non-blocking, on a side stream ordered after the caller's queued work) and
