@@ -57,7 +57,7 @@ from .validation import StrictHandling
 from .manager import CheckpointManager, PendingSaveError  # noqa: E402 - builds on serialization
 from .storage.object_store import StorageError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The top-level API, one list. Each module's own __all__ lists only what that module defines (or,
 # for Megatron-Core's modules, what Megatron-Core's module of that name defines).

@@ -96,8 +96,9 @@ def save(
         checkpoint_dir: target directory. It may exist, empty or not (Megatron-LM creates it and
             writes other files into it, even while an async save is pending): files dist_ckpt did
             not write are never deleted or moved. Created if missing.
-        sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
-            default ('torch_dist', 1) and ('torch', 1).
+        sharded_strategy: the strategy object or a (backend, version) tuple; default
+            ('torch_dist', 1).
+        common_strategy: likewise for the common state; default ('torch', 1).
         validate_access_integrity: check, before writing, that the main replicas of all ranks
             cover every tensor exactly once and that ranks agree on dtypes and shapes.
         async_sharded_save: return an ``AsyncRequest`` that writes the data and commits the
@@ -153,8 +154,9 @@ def load(
             are resolved too.
         checkpoint_dir: a checkpoint directory (dist_ckpt, Megatron-Core torch_dist or zarr of
             any version, plain PyTorch DCP, Hugging Face safetensors) or a URL.
-        sharded_strategy, common_strategy: strategy objects or (backend, version) tuples;
-            default: what the checkpoint's ``metadata.json`` names.
+        sharded_strategy: the strategy object or a (backend, version) tuple; default: what the
+            checkpoint's ``metadata.json`` names.
+        common_strategy: likewise for the common state.
         validate_access_integrity: check, with a collective, that the ranks' requests together
             cover every requested tensor whole and agree on shapes and dtypes (as Megatron-Core
             does). Pass False to read only part of a tensor (e.g. one process reading a slice).
@@ -183,7 +185,8 @@ def load(
         UnsafePickleError: the common state holds objects the safe unpickler does not allow
             (see ``add_safe_globals``).
         StorageError: a URL could not be read.
-        All are ``CheckpointingException``s, raised identically on every rank.
+
+    All of these are ``CheckpointingException``s, raised identically on every rank.
     """
     request = LoadRequest(sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
                           validate_access_integrity, parse_strict_flag(strict), storage_options)

@@ -64,7 +64,7 @@ def test_tensors_left_in_the_state_come_back_as_they_were(tmp_path):
 
 
 def test_parts_of_format_version_1_still_load(tmp_path):
-    """Version 1 (state as a torch.save, before stop 29) left in /dev/shm by the previous
+    """Version 1 (state as a torch.save) left in /dev/shm by an older
     dist_ckpt: a restart after the upgrade still resumes from it."""
     tensor, state_sink = torch.arange(6, dtype=torch.int32), io.BytesIO()
     torch.save({"step": 7, "rng": torch.ones(3)}, state_sink)

@@ -69,7 +69,7 @@ def expect_sequential_reads(fd: int) -> None:
     unhinted (balanced orders, medians of the rounds' ratios, 12-24 rounds per run): 4 -> 2 ranks
     took 0.79-0.87x the time (four runs), the same layout on 2 ranks 0.85-1.01x (six runs), on 4
     ranks 0.99-1.00x and 2 -> 4 ranks 0.95-0.97x (two runs each); in no run was it slower by more
-    than 1% (NOTES.md, stop 54)."""
+    than 1%."""
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return

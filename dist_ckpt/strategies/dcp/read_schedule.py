@@ -11,7 +11,7 @@ begun in the lane with the most left (``StealingLanes``): the start of every lan
 and only the end of the load is rebalanced. On a cold 2-rank load of 1 GiB, 8 threads, the
 lanes of one load ended 154-347 ms apart with fixed lanes (medians over 10 rounds, seven runs),
 while the median lane had ended at about the time the placement floor's last one did; with
-stealing, 3-11 ms apart (benchmarks/NOTES.md).
+stealing, 3-11 ms apart.
 """
 
 from __future__ import annotations

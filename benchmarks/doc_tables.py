@@ -1,9 +1,9 @@
-"""Benchmark tables written into README.md by the scripts that measured them.
+"""Benchmark tables written into the documentation by the scripts that measured them.
 
-``run.py --readme`` and ``simulate_scale.py --readme`` replace the text between the markers
-``<!-- benchmark:NAME -->`` and ``<!-- /benchmark:NAME -->`` in README.md with a Markdown
-table of the run just made, headed by the machine it ran on, so the README never shows numbers
-that no command produced.
+``run.py --write-docs`` and ``simulate_scale.py --write-docs`` replace the text between the
+markers ``<!-- benchmark:NAME -->`` and ``<!-- /benchmark:NAME -->`` in docs/performance.md with
+a Markdown table of the run just made, headed by the machine it ran on, so the documentation
+never shows numbers that no command produced.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Iterable, List, Sequence
 
-__all__ = ["machine_description", "markdown_table", "replace_section", "README"]
+__all__ = ["machine_description", "markdown_table", "replace_section", "PERFORMANCE_PAGE"]
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PERFORMANCE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "performance.md"
 
 
 def _first(path: str, key: str) -> str:
@@ -71,13 +71,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]], right: 
     return lines
 
 
-def replace_section(name: str, lines: Sequence[str], readme: Path = README) -> None:
-    """Put ``lines`` between README's markers for ``name`` (they must exist: a section is
+def replace_section(name: str, lines: Sequence[str], page: Path = PERFORMANCE_PAGE) -> None:
+    """Put ``lines`` between the page's markers for ``name`` (they must exist: a section is
     placed by hand once, then kept up to date by the script)."""
     start, end = f"<!-- benchmark:{name} -->", f"<!-- /benchmark:{name} -->"
-    text = readme.read_text()
+    text = page.read_text()
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise SystemExit(f"{readme} has no section {start} ... {end}: add the two markers where the table goes")
+        raise SystemExit(f"{page} has no section {start} ... {end}: add the two markers where the table goes")
     body = "\n".join([start, *lines, end])
-    readme.write_text(pattern.sub(lambda _: body, text, count=1))
+    page.write_text(pattern.sub(lambda _: body, text, count=1))
