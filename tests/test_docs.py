@@ -47,3 +47,22 @@ def test_no_words_about_how_the_project_was_developed():
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in places
              for n, line in enumerate(p.read_text().splitlines(), 1) if _DEVELOPMENT_WORDS.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_readme_figures_are_those_of_the_generated_table():
+    """README's "Why" quotes the benchmark table that ``run.py --write-docs`` and
+    ``simulate_scale.py --write-docs`` write into docs/performance.md: every time, ratio and
+    percentage it cites is in that page, so a new run's table cannot leave the README behind
+    unnoticed."""
+    readme = (ROOT / "README.md").read_text()
+    why = readme[readme.index("## Why"):readme.index("## Setup")]
+    page = (DOCS / "performance.md").read_text()
+    cited = re.findall(r"(\d+(?:\.\d+)?)\s?(ms|s|x|%)(?![\w])", why)
+    assert len(cited) >= 15, cited
+    missing = []
+    for number, unit in cited:
+        forms = {"ms": [f"{float(number) / 1000:.3f}"], "s": [number], "x": [f"{number}x"], "%": [f"+{number}%"]}[unit]
+        if not any(re.search(rf"(?<![\d.]){re.escape(form)}(?![\d])", page) for form in forms):
+            missing.append(f"{number} {unit}")
+    assert not missing, f"cited in README but not in docs/performance.md: {missing}"
+    assert "torch >= 2.13" in readme and '"torch>=2.13"' in (ROOT / "pyproject.toml").read_text()
