@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import platform
 import shutil
 import statistics
@@ -65,6 +64,7 @@ import torch.distributed.checkpoint as dcp
 
 import dist_ckpt
 from dist_ckpt import ShardedObject, ShardedTensor
+from dist_ckpt.runtime.durable import drop_page_cache
 from dist_ckpt.runtime.launch import run_distributed
 
 DEVICE = "cuda:0"
@@ -480,17 +480,6 @@ def _median(samples: List[float]) -> float:
     return round(statistics.median(samples), 4)
 
 
-def _drop_cache(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def measure(root: Path, gib: float, repeat: int) -> Dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader as TorchReader, FileSystemWriter as TorchWriter
 
@@ -571,18 +560,18 @@ def measure(root: Path, gib: float, repeat: int) -> Dict[str, Any]:
     loads, torch_loads, raw = [], [], []
     files = sorted(f for f in (root / "sync0").iterdir() if f.suffix == ".distcp")
     for i in range(repeat):
-        _drop_cache(root / "sync0")
+        drop_page_cache(root / "sync0")
         _sync()
         start = time.perf_counter()
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in targets.items()}, root / "sync0")
         _sync()
         loads.append(time.perf_counter() - start)
-        _drop_cache(root / "torch_sync0")
+        drop_page_cache(root / "torch_sync0")
         start = time.perf_counter()
         dcp.load(targets, storage_reader=TorchReader(str(root / "torch_sync0")))
         _sync()
         torch_loads.append(time.perf_counter() - start)
-        _drop_cache(root / "sync0")
+        drop_page_cache(root / "sync0")
         start = time.perf_counter()
         for f in files:  # the floor: the bytes into pinned memory, then to the device at pinned bandwidth
             size = f.stat().st_size

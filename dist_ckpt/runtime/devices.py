@@ -187,9 +187,7 @@ class HostCopies:
     def start(self, tensor: torch.Tensor) -> "HostCopy":
         """A copy of ``tensor`` (not host memory) into a plain, contiguous host tensor."""
         if tensor.device.type != "cuda":  # another kind of tensor that is not plain host memory
-            host = torch.empty(tensor.shape, dtype=tensor.dtype)
-            host.copy_(tensor)
-            return HostCopy(host, None)
+            return HostCopy(host_copy(tensor), None)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=tensor.device)
         self._caller.order_after_caller(self._stream)
