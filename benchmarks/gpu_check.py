@@ -4,6 +4,10 @@ the times a GPU job waits for, side by side with PyTorch DCP and a floor, in one
     PYTHONPATH=. python benchmarks/gpu_check.py --out gpu_report.json            # ~6 min on one H200
     PYTHONPATH=. python benchmarks/gpu_check.py --state-gib 1 --out report.json  # a quicker run
     PYTHONPATH=. python benchmarks/gpu_check.py --smoke                          # the plumbing, on CPU
+    PYTHONPATH=. python benchmarks/gpu_check.py --checks merges,local_tier --skip-measure  # a rerun of two
+
+The report is rewritten after every check and every measured figure, so a run cut short keeps
+what it saw.
 
 Checks (each reports ok and what it saw; one failing does not stop the others):
 
@@ -48,6 +52,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -480,15 +485,27 @@ def _median(samples: List[float]) -> float:
     return round(statistics.median(samples), 4)
 
 
-def measure(root: Path, gib: float, repeat: int) -> Dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader as TorchReader, FileSystemWriter as TorchWriter
+def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: Callable[[Dict[str, Any]], None]) -> None:
+    """Fill ``out`` with the figures, calling ``progress`` after each. The sections run in the order
+    of what matters most (the floor and dist_ckpt's blocked time, one sync save of each writer and
+    the loads, then the peers' blocked times, then the remaining sync saves), so that a run cut
+    short keeps the figures it reached."""
+    from torch.distributed.checkpoint import FileSystemWriter as TorchWriter
 
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
     state = _gpu_state(gib)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    out: Dict[str, Any] = {"state_gib": round(nbytes / 2**30, 3), "tensors": len(state)}
-    sharded = lambda: {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}  # noqa: E731
+    out.update({"state_gib": round(nbytes / 2**30, 3), "tensors": len(state)})
+
+    def record(name: str, samples: List[float], warm_up: int = 0) -> None:
+        out[f"{name}_s"] = _median(samples[warm_up:])
+        out[f"{name}_samples_s"] = [round(v, 4) for v in samples]
+        out["ratios"] = _ratios(out)
+        progress(out)
+
+    def sharded() -> Dict[str, ShardedTensor]:
+        return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
 
     pool = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=_cuda()) for k, v in state.items()}
     floor = []
@@ -499,13 +516,13 @@ def measure(root: Path, gib: float, repeat: int) -> Dict[str, Any]:
             pool[k].copy_(v, non_blocking=True)
         _sync()
         floor.append(time.perf_counter() - start)
-    out["async_blocked_floor_s"] = _median(floor[1:])
-    out["d2h_pinned_gb_s"] = round(nbytes / out["async_blocked_floor_s"] / 1e9, 1)
     del pool
+    out["d2h_pinned_gb_s"] = round(nbytes / _median(floor[1:]) / 1e9, 1)
+    record("async_blocked_floor", floor, warm_up=1)
 
     strategy = TorchDistSaveShardedStrategy()
     blocked, queue = [], dist_ckpt.AsyncCallsQueue()
-    for i in range(repeat + 1):
+    for i in range(repeat + 1):  # the first allocates the pinned staging buffers the others reuse
         _sync()
         start = time.perf_counter()
         request = dist_ckpt.save(sharded(), root / "async", sharded_strategy=strategy, async_sharded_save=True)
@@ -514,92 +531,127 @@ def measure(root: Path, gib: float, repeat: int) -> Dict[str, Any]:
         queue.maybe_finalize_async_calls(blocking=True)
         shutil.rmtree(root / "async")
     queue.close()
-    out["async_blocked_dist_ckpt_s"] = _median(blocked[1:])
+    del strategy, queue
+    record("async_blocked_dist_ckpt", blocked, warm_up=1)
 
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    saves: List[float] = []
+    torch_saves: List[float] = []
 
-        stager = DefaultStager(StagingOptions(use_pinned_memory=_cuda(), use_shared_memory=False,
-                                              use_async_staging=False, use_non_blocking_copy=_cuda()))
-        blocked = []
-        for i in range(repeat + 1):
-            _sync()
-            start = time.perf_counter()
-            response = dcp.async_save(dict(state), storage_writer=TorchWriter(str(root / "dcp_async")),
-                                      async_stager=stager)
-            blocked.append(time.perf_counter() - start)
-            future = getattr(response, "upload_completion", response)
-            future.result()
-            shutil.rmtree(root / "dcp_async")
-        stager.close()
-        out["async_blocked_dcp_pinned_stager_s"] = _median(blocked[1:])
-    except Exception as e:  # noqa: BLE001 - reported
-        out["async_blocked_dcp_pinned_stager_s"] = f"{type(e).__name__}: {e}"
-    try:
-        out["async_blocked_megatron_core_s"] = _megatron_core_blocked(state, root, repeat)
-    except ImportError:
-        out["async_blocked_megatron_core_s"] = "megatron-core is not installed on this machine"
-    except Exception as e:  # noqa: BLE001 - reported
-        out["async_blocked_megatron_core_s"] = f"{type(e).__name__}: {e}"
-
-    saves, torch_saves = [], []
-    for i in range(repeat):
+    def sync_saves(i: int) -> None:  # the disk holds the first of each (loaded below) and at most one more
         _sync()
         start = time.perf_counter()
         dist_ckpt.save(sharded(), root / f"sync{i}")
         saves.append(time.perf_counter() - start)
+        if i:
+            shutil.rmtree(root / f"sync{i}")
         start = time.perf_counter()
         dcp.save(dict(state), storage_writer=TorchWriter(str(root / f"torch_sync{i}")))
         torch_saves.append(time.perf_counter() - start)
-        if i:  # the disk holds the first of each (loaded below) and one more
-            shutil.rmtree(root / f"sync{i}")
+        if i:
             shutil.rmtree(root / f"torch_sync{i}")
-    out["sync_save_dist_ckpt_s"], out["sync_save_torch_dcp_s"] = _median(saves), _median(torch_saves)
+        record("sync_save_dist_ckpt", saves)
+        record("sync_save_torch_dcp", torch_saves)
+
+    sync_saves(0)
+    _loads(root, state, repeat, nbytes, out, record)
+    try:
+        record("async_blocked_dcp_pinned_stager", _dcp_blocked(state, root, repeat), warm_up=1)
+    except Exception as e:  # noqa: BLE001 - reported
+        out["async_blocked_dcp_pinned_stager_s"] = f"{type(e).__name__}: {e}"
+    try:
+        record("async_blocked_megatron_core", _megatron_core_blocked(state, root, repeat), warm_up=1)
+    except ImportError:
+        out["async_blocked_megatron_core_s"] = "megatron-core is not installed on this machine"
+    except Exception as e:  # noqa: BLE001 - reported
+        out["async_blocked_megatron_core_s"] = f"{type(e).__name__}: {e}"
+    progress(out)
+    for i in range(1, repeat):
+        sync_saves(i)
+
+
+def _ratios(out: Dict[str, Any]) -> Dict[str, float]:
+    """dist_ckpt's time over the floor's or a peer's, for every pair measured so far."""
+    pairs = {"async_blocked_vs_floor": ("async_blocked_dist_ckpt_s", "async_blocked_floor_s"),
+             "async_blocked_vs_dcp_pinned_stager": ("async_blocked_dist_ckpt_s", "async_blocked_dcp_pinned_stager_s"),
+             "async_blocked_vs_megatron_core": ("async_blocked_dist_ckpt_s", "async_blocked_megatron_core_s"),
+             "sync_save_vs_torch_dcp": ("sync_save_dist_ckpt_s", "sync_save_torch_dcp_s"),
+             "load_vs_floor": ("load_cuda_dist_ckpt_s", "load_cuda_floor_s"),
+             "load_vs_torch_dcp": ("load_cuda_dist_ckpt_s", "load_cuda_torch_dcp_s")}
+    return {name: round(out[ours] / out[theirs], 2) for name, (ours, theirs) in pairs.items()
+            if isinstance(out.get(ours), float) and isinstance(out.get(theirs), float)}
+
+
+def _loads(root: Path, state: Dict[str, torch.Tensor], repeat: int, nbytes: int, out: Dict[str, Any],
+           record: Callable[..., None]) -> None:
+    """Cold loads of ``sync0`` and ``torch_sync0`` into CUDA tensors, and the floor: the files read
+    into pinned memory as fast as this disk gives them, each copied to the device non-blocking
+    while the next is read."""
+    from torch.distributed.checkpoint import FileSystemReader as TorchReader
 
     targets = {k: torch.empty_like(v) for k, v in state.items()}
-    loads, torch_loads, raw = [], [], []
+    loads: List[float] = []
+    torch_loads: List[float] = []
+    raw: List[float] = []
     files = sorted(f for f in (root / "sync0").iterdir() if f.suffix == ".distcp")
-    for i in range(repeat):
+    sizes = [f.stat().st_size for f in files]
+    pinned = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=_cuda())  # allocated before the clock starts
+    on_device = torch.empty(sum(sizes), dtype=torch.uint8, device=DEVICE)
+    view = memoryview(pinned.numpy())
+    for _ in range(repeat):
         drop_page_cache(root / "sync0")
         _sync()
         start = time.perf_counter()
         dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in targets.items()}, root / "sync0")
         _sync()
         loads.append(time.perf_counter() - start)
+        record("load_cuda_dist_ckpt", loads)
         drop_page_cache(root / "torch_sync0")
         start = time.perf_counter()
         dcp.load(targets, storage_reader=TorchReader(str(root / "torch_sync0")))
         _sync()
         torch_loads.append(time.perf_counter() - start)
+        record("load_cuda_torch_dcp", torch_loads)
         drop_page_cache(root / "sync0")
         start = time.perf_counter()
-        for f in files:  # the floor: the bytes into pinned memory, then to the device at pinned bandwidth
-            size = f.stat().st_size
-            pinned = torch.empty(size, dtype=torch.uint8, pin_memory=_cuda())
+        offset = 0
+        for f, size in zip(files, sizes):
             with open(f, "rb", buffering=0) as fh:
-                view = memoryview(pinned.numpy())
                 got = 0
                 while got < size:
-                    got += fh.readinto(view[got:])
-            device = torch.empty(size, dtype=torch.uint8, device=DEVICE)
-            device.copy_(pinned, non_blocking=True)
+                    got += fh.readinto(view[offset + got:offset + size])
+            on_device[offset:offset + size].copy_(pinned[offset:offset + size], non_blocking=True)
+            offset += size
         _sync()
         raw.append(time.perf_counter() - start)
-    out["load_cuda_dist_ckpt_s"], out["load_cuda_torch_dcp_s"] = _median(loads), _median(torch_loads)
-    out["load_cuda_floor_s"] = _median(raw)
-    out["ratios"] = {
-        "async_blocked_vs_floor": round(out["async_blocked_dist_ckpt_s"] / out["async_blocked_floor_s"], 2),
-        "load_vs_floor": round(out["load_cuda_dist_ckpt_s"] / out["load_cuda_floor_s"], 2),
-        "load_vs_torch_dcp": round(out["load_cuda_dist_ckpt_s"] / out["load_cuda_torch_dcp_s"], 2),
-        "sync_save_vs_torch_dcp": round(out["sync_save_dist_ckpt_s"] / out["sync_save_torch_dcp_s"], 2),
-    }
-    for peer in ("dcp_pinned_stager", "megatron_core"):
-        if isinstance(out.get(f"async_blocked_{peer}_s"), float):
-            out["ratios"][f"async_blocked_vs_{peer}"] = round(out["async_blocked_dist_ckpt_s"] / out[f"async_blocked_{peer}_s"], 2)
-    return out
+        out["load_gb_s"] = {"dist_ckpt": round(nbytes / _median(loads) / 1e9, 2),
+                            "floor": round(nbytes / _median(raw) / 1e9, 2)}
+        record("load_cuda_floor", raw)
+    del view, pinned, on_device
 
 
-def _megatron_core_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int) -> float:
+def _dcp_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int) -> List[float]:
+    """How long ``dcp.async_save`` with its pinned ``DefaultStager`` blocks the caller."""
+    from torch.distributed.checkpoint import FileSystemWriter as TorchWriter
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=_cuda(), use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=_cuda()))
+    blocked = []
+    try:
+        for _ in range(repeat + 1):
+            _sync()
+            start = time.perf_counter()
+            response = dcp.async_save(dict(state), storage_writer=TorchWriter(str(root / "dcp_async")),
+                                      async_stager=stager)
+            blocked.append(time.perf_counter() - start)
+            getattr(response, "upload_completion", response).result()
+            shutil.rmtree(root / "dcp_async")
+    finally:
+        stager.close()
+    return blocked
+
+
+def _megatron_core_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int) -> List[float]:
     """How long Megatron-Core's async ``torch_dist`` save (``FileSystemWriterAsync``: non-blocking
     copies into pinned memory, one synchronize) blocks the caller, on a world of one."""
     from megatron.core import dist_checkpointing as mcore
@@ -623,19 +675,41 @@ def _megatron_core_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: i
             queue.maybe_finalize_async_calls(blocking=True)
             shutil.rmtree(root / "mcore")
         queue.close()
-        return _median(blocked[1:])
+        return blocked
     finally:
         if started_group:
             dist.destroy_process_group()
+
+
+ALL_CHECKS = (load_matrix, merges, sync_side_stream, async_thread, async_process, cyclic_garbage, local_tier,
+              nccl_world1, two_ranks_gloo)
+NEEDS_CUDA = (nccl_world1,)
+
+
+def _machine(root: Path) -> Dict[str, Any]:
+    """What the figures depend on: the GPU, the host, and the filesystem the checkpoints go to."""
+    disk = shutil.disk_usage(root)
+    facts: Dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                             "cpus": os.cpu_count(), "checkpoint_dir": str(root),
+                             "disk_free_gib": round(disk.free / 2**30, 1), "disk_total_gib": round(disk.total / 2**30, 1)}
+    with contextlib.suppress(OSError):  # the mount holding the checkpoints: its filesystem type
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+        best = max((m for m in mounts if len(m) > 2 and str(root).startswith(m[1])), key=lambda m: len(m[1]))
+        facts["filesystem"] = f"{best[2]} on {best[1]} ({best[0]})"
+    return facts
 
 
 def main() -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_report.json")
-    parser.add_argument("--state-gib", type=float, default=8.0)
+    parser.add_argument("--state-gib", type=float, default=8.0,
+                        help="the measured state; lowered to a quarter of the free disk where that is less")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--root", default=None, help="where checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--checks", default=",".join(c.__name__ for c in ALL_CHECKS),
+                        help="which checks to run, comma-separated (none: an empty string)")
     parser.add_argument("--skip-measure", action="store_true")
     parser.add_argument("--smoke", action="store_true",
                         help="no GPU: the plumbing of every check but NCCL's, and of the measurements, on the CPU")
@@ -645,25 +719,32 @@ def main() -> int:
     elif not torch.cuda.is_available():
         print("no CUDA device; use --smoke to try the plumbing on the CPU", file=sys.stderr)
         return 2
-    report: Dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
-                              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                              "checks": CHECKS}
+    chosen = {name for name in args.checks.split(",") if name}
+    unknown = chosen - {c.__name__ for c in ALL_CHECKS}
+    if unknown:
+        parser.error(f"unknown checks {sorted(unknown)}; choose from {[c.__name__ for c in ALL_CHECKS]}")
+    report: Dict[str, Any] = {"checks": CHECKS}
+
+    def write() -> None:  # after every check and every measured figure: a run cut short keeps what it saw
+        report["all_checks_ok"] = all(c.get("ok") for c in CHECKS.values())
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+
     with tempfile.TemporaryDirectory(prefix="dist_ckpt_gpu_", dir=args.root) as tmp:
         root = Path(tmp)
-        smoke_ok = (load_matrix, merges, sync_side_stream, async_thread, async_process, cyclic_garbage, local_tier,
-                    two_ranks_gloo)
-        for run in (load_matrix, merges, sync_side_stream, async_thread, async_process, cyclic_garbage, local_tier,
-                    nccl_world1, two_ranks_gloo):
-            if args.smoke and run not in smoke_ok:
-                continue
-            run(root)
+        report["machine"] = _machine(root)
+        write()
+        for run in ALL_CHECKS:
+            if run.__name__ in chosen and not (args.smoke and run in NEEDS_CUDA):
+                run(root)
+                write()
         if not args.skip_measure:
+            gib = min(args.state_gib, report["machine"]["disk_free_gib"] / 4)  # a full save of each writer, and one more
+            report["measured"] = measured = {}
             try:
-                report["measured"] = measure(root / "measure", args.state_gib, args.repeat)
+                measure(root / "measure", gib, args.repeat, measured, lambda _: write())
             except Exception as e:  # noqa: BLE001 - reported
-                report["measured"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-    report["all_checks_ok"] = all(c.get("ok") for c in CHECKS.values())
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+                measured.update({"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
+    write()
     print(json.dumps({k: v for k, v in report.items() if k != "checks"}, indent=1, default=str))
     return 0 if report["all_checks_ok"] else 1
 
