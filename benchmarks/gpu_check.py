@@ -36,8 +36,11 @@ Measurements (``--state-gib`` of bf16 on ``cuda:0``: 80% in a few hundred large 
 ~2,000 small ones), each the median of ``--repeat`` runs after one warm-up:
 
   async_blocked     how long ``save(async)`` blocks the caller: dist_ckpt (thread writer) against
-                    DCP's ``async_save`` with its pinned ``DefaultStager`` and the floor (non-blocking
-                    copies into a pinned pool allocated beforehand, one synchronize)
+                    DCP's ``async_save`` with its pinned ``DefaultStager`` (its default stager
+                    where that fails), Megatron-Core's and the floor (non-blocking copies into a
+                    pinned pool allocated beforehand, one synchronize); dist_ckpt returns before
+                    its copies finish (``runtime.in_flight``), so ``async_copies_done`` says when
+                    they had, from the same call's start
   sync_save         ``dist_ckpt.save`` against ``dcp.save`` with torch's ``FileSystemWriter``
   load_cuda         cold loads into CUDA tensors: dist_ckpt against ``dcp.load`` with torch's
                     ``FileSystemReader``, and the floor: the files read into pinned memory (as fast
@@ -521,17 +524,21 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
     record("async_blocked_floor", floor, warm_up=1)
 
     strategy = TorchDistSaveShardedStrategy()
-    blocked, queue = [], dist_ckpt.AsyncCallsQueue()
+    blocked, copied, queue = [], [], dist_ckpt.AsyncCallsQueue()
     for i in range(repeat + 1):  # the first allocates the pinned staging buffers the others reuse
+        mapping = sharded()  # built before the clock starts, as Megatron-Core's below
         _sync()
         start = time.perf_counter()
-        request = dist_ckpt.save(sharded(), root / "async", sharded_strategy=strategy, async_sharded_save=True)
+        request = dist_ckpt.save(mapping, root / "async", sharded_strategy=strategy, async_sharded_save=True)
         blocked.append(time.perf_counter() - start)
+        _sync()  # the copies into the staging buffers, which the save left running, have finished
+        copied.append(time.perf_counter() - start)
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         shutil.rmtree(root / "async")
     queue.close()
     del strategy, queue
+    record("async_copies_done_dist_ckpt", copied, warm_up=1)  # from the call until the copies finished
     record("async_blocked_dist_ckpt", blocked, warm_up=1)
 
     saves: List[float] = []
@@ -554,10 +561,15 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
 
     sync_saves(0)
     _loads(root, state, repeat, nbytes, out, record)
-    try:
-        record("async_blocked_dcp_pinned_stager", _dcp_blocked(state, root, repeat), warm_up=1)
-    except Exception as e:  # noqa: BLE001 - reported
-        out["async_blocked_dcp_pinned_stager_s"] = f"{type(e).__name__}: {e}"
+    for pinned in (True, False):  # DCP's pinned stager, and its default (plain copies) if that fails here
+        name = "async_blocked_dcp_pinned_stager" if pinned else "async_blocked_dcp_default"
+        try:
+            record(name, _dcp_blocked(state, root, repeat, pinned), warm_up=1)
+            break
+        except Exception as e:  # noqa: BLE001 - reported
+            out[f"{name}_s"] = f"{type(e).__name__}: {e}"
+            out[f"{name}_traceback"] = traceback.format_exc()[-2500:]
+            progress(out)
     try:
         record("async_blocked_megatron_core", _megatron_core_blocked(state, root, repeat), warm_up=1)
     except ImportError:
@@ -574,6 +586,8 @@ def _ratios(out: Dict[str, Any]) -> Dict[str, float]:
     pairs = {"async_blocked_vs_floor": ("async_blocked_dist_ckpt_s", "async_blocked_floor_s"),
              "async_blocked_vs_dcp_pinned_stager": ("async_blocked_dist_ckpt_s", "async_blocked_dcp_pinned_stager_s"),
              "async_blocked_vs_megatron_core": ("async_blocked_dist_ckpt_s", "async_blocked_megatron_core_s"),
+             "async_blocked_vs_dcp_default": ("async_blocked_dist_ckpt_s", "async_blocked_dcp_default_s"),
+             "async_copies_done_vs_floor": ("async_copies_done_dist_ckpt_s", "async_blocked_floor_s"),
              "sync_save_vs_torch_dcp": ("sync_save_dist_ckpt_s", "sync_save_torch_dcp_s"),
              "load_vs_floor": ("load_cuda_dist_ckpt_s", "load_cuda_floor_s"),
              "load_vs_torch_dcp": ("load_cuda_dist_ckpt_s", "load_cuda_torch_dcp_s")}
@@ -629,25 +643,29 @@ def _loads(root: Path, state: Dict[str, torch.Tensor], repeat: int, nbytes: int,
     del view, pinned, on_device
 
 
-def _dcp_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int) -> List[float]:
-    """How long ``dcp.async_save`` with its pinned ``DefaultStager`` blocks the caller."""
+def _dcp_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int, pinned: bool) -> List[float]:
+    """How long ``dcp.async_save`` blocks the caller: with its pinned ``DefaultStager``
+    (``pinned``), or with the stager it picks itself."""
     from torch.distributed.checkpoint import FileSystemWriter as TorchWriter
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(use_pinned_memory=_cuda(), use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=_cuda()))
+    stager = None
+    if pinned:
+        stager = DefaultStager(StagingOptions(use_pinned_memory=_cuda(), use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=_cuda()))
     blocked = []
     try:
         for _ in range(repeat + 1):
             _sync()
             start = time.perf_counter()
-            response = dcp.async_save(dict(state), storage_writer=TorchWriter(str(root / "dcp_async")),
-                                      async_stager=stager)
+            options = {"async_stager": stager} if stager is not None else {}
+            response = dcp.async_save(dict(state), storage_writer=TorchWriter(str(root / "dcp_async")), **options)
             blocked.append(time.perf_counter() - start)
             getattr(response, "upload_completion", response).result()
             shutil.rmtree(root / "dcp_async")
     finally:
-        stager.close()
+        if stager is not None:
+            stager.close()
     return blocked
 
 

@@ -24,6 +24,8 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
+from .in_flight import CopiesInFlight
+
 __all__ = [
     "is_host_memory",
     "accelerator_ready",
@@ -125,6 +127,7 @@ class DeviceCopies:
         self._caller = caller or CallerStreams()
         self._stream: Optional[Any] = None
         self._pending = False
+        self._sources: List[torch.Tensor] = []  # kept alive until the copies reading them finished
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``; asynchronous when either is a CUDA tensor (``wait`` before
@@ -139,12 +142,28 @@ class DeviceCopies:
         with torch.cuda.stream(self._stream):
             target.copy_(source, non_blocking=True)
         self._pending = True
+        self._sources.append(source)
 
     def wait(self) -> None:
         """Block until every copy started by ``copy`` has finished."""
         if self._pending and self._stream is not None:
             self._stream.synchronize()
         self._pending = False
+        self._sources = []
+
+    def finish_later(self) -> Optional[CopiesInFlight]:
+        """Leave the copies started by ``copy`` running (``in_flight``): the caller's current
+        stream waits for them on the device, so its next kernels cannot change a source before it
+        was read, and the sources stay referenced until ``CopiesInFlight.wait``. None when no copy
+        is pending (all of them were host copies, finished already)."""
+        if not self._pending or self._stream is None:
+            return None
+        done = self._stream.record_event()
+        if self._caller.stream is not None:
+            self._caller.stream.wait_event(done)
+        in_flight = CopiesInFlight(done, self._sources)
+        self._pending, self._sources = False, []
+        return in_flight
 
 
 _local = threading.local()

@@ -43,6 +43,7 @@ import torch.multiprocessing as torch_mp
 
 from ..core import CheckpointingException
 from ..runtime.collectives import DistWrapper
+from ..runtime.in_flight import AfterCopies, OrderedHandOff
 from ..runtime.interrupts import detach_from_interrupts, helpers_starting
 from ..runtime.shared_arena import JobPickler, forget_arenas, live_arena_ids
 
@@ -312,6 +313,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._next = 0
         self._known_arenas: Set[int] = set()  # staging arenas the current process was sent
         self.forks_replaced = 0  # writers killed because they never started (stuck in the fork)
+        self._handoff = OrderedHandOff("dist_ckpt-writer-handoff")  # jobs whose device copies are in flight
 
     @property
     def pid(self) -> Optional[int]:
@@ -390,7 +392,10 @@ class PersistentAsyncCaller(AsyncCaller):
             # Staged tensors travel as references into arenas the writer holds (shared_arena),
             # other CPU tensors as shared-memory handles (torch's reductions), never as bytes.
             known = set(self._known_arenas)
-            payload = JobPickler.dumps_job((request.async_fn, request.async_fn_args, request.async_fn_kwargs), known)
+            fn, after = request.async_fn, None
+            if isinstance(fn, AfterCopies):  # this process waits for the copies, then hands the job over
+                fn, after = fn.job, fn
+            payload = JobPickler.dumps_job((fn, request.async_fn_args, request.async_fn_kwargs), known)
         except Exception as e:  # noqa: BLE001
             request.async_error = CheckpointingException(
                 f"the persistent checkpoint writer needs a picklable write function: {type(e).__name__}: {e}"
@@ -399,7 +404,12 @@ class PersistentAsyncCaller(AsyncCaller):
         forget = sorted(known - live_arena_ids())
         self._known_arenas = known - set(forget)
         self._pending[token] = (request, None)
-        self._jobs.put((token, forget, payload))
+        results = self._results
+
+        def copies_failed(error: BaseException) -> None:  # reported as the writer reports a failed job
+            results.put((token, "error", f"the staging copies failed: {type(error).__name__}: {error}"))
+
+        self._handoff.put(self._jobs, (token, forget, payload), after, copies_failed)
 
     def _collect(self, wait_s: float) -> bool:
         """One message of the writer: a job started (its timeout starts), or a job's outcome.
@@ -475,6 +485,7 @@ class PersistentAsyncCaller(AsyncCaller):
                            f"failed on another rank")
 
     def close(self) -> None:
+        self._handoff.close()
         if self._process is None:
             return
         if self._process.is_alive():

@@ -21,7 +21,7 @@ import logging
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -54,6 +54,7 @@ from ..mapping import (
 )
 from ..runtime.collectives import DistWrapper
 from ..runtime.durable import atomic_write_bytes, fsync_directory
+from ..runtime.in_flight import AfterCopies
 from ..sharding.fingerprint import structure_fingerprint
 from ..sharding.geometry import find_overlap
 from ..sharding.regions import RequestedRegions
@@ -231,8 +232,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         recorder = recorder_for(checkpoint_dir)
         plan, metadata, object_blobs = self._plan(dist, leaves, tensors, objects)
         staged = self._stage(dist, checkpoint_dir, plan, tensors, stage)
-        job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.background_items, staged.sources, object_blobs,
-                          self.thread_count, self.zip_crc32)
+        job: Callable[[], Any] = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.background_items,
+                                             staged.sources, object_blobs, self.thread_count, self.zip_crc32)
+        in_flight = [lease.in_flight for lease in staged.leases if lease.in_flight is not None]
+        if in_flight:  # device copies still filling the staging buffers: the write waits for them
+            job = AfterCopies(in_flight, job)
         request = AsyncRequest(job, (), [])
         for lease in staged.leases:
             request.add_cleanup_fn(lease.release)

@@ -26,10 +26,12 @@ oversubscribe the cores. 4 ranks on 2 cores (270 MiB each, 2 OpenMP threads per 
 processes spawned without ``OMP_NUM_THREADS`` have) took 0.18-2.5 s to copy, 56-150 ms with one.
 
 Tensors in device memory (GPU) are copied into page-locked buffers, non-blocking, on a side
-stream that first waits for the work the caller had queued (a tensor the step just wrote), all
-of them queued before one synchronize ends ``stage``: the copies run at the link's speed, back
-to back, and once ``stage`` returns the training loop may change the tensors and the writer may
-read every buffer. (Megatron-Core's and DCP's pinned stagers work the same way.)
+stream that first waits for the work the caller had queued (a tensor the step just wrote). The
+copies run at the link's speed, back to back, and ``stage`` returns without waiting for them
+(``runtime.in_flight``): the caller's stream waits for them on the device, so the training loop's
+next kernels change the tensors only after they were read, and the writer waits for them
+(``StagingLease.wait_until_copied``) before it reads a buffer. Megatron-Core's and DCP's pinned
+stagers synchronize before returning instead: the training loop waits for the whole copy.
 
 For a writer process the copies are views into one ``SharedArena`` per allocation, which the
 writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
@@ -46,6 +48,7 @@ from typing import List, Optional
 import torch
 
 from ...runtime.devices import CallerStreams, DeviceCopies, is_host_memory
+from ...runtime.in_flight import CopiesInFlight
 from ...runtime.shared_arena import SharedArena
 from .chunk_copy import copy_in_this_thread
 
@@ -62,6 +65,7 @@ class _BufferSet:
 
     buffers: List[Optional[torch.Tensor]] = field(default_factory=list)
     arenas: List[SharedArena] = field(default_factory=list)
+    in_flight: Optional[CopiesInFlight] = None  # device copies into the buffers, not yet waited for
 
     @property
     def nbytes(self) -> int:
@@ -82,13 +86,28 @@ class StagingLease:
         return self._set.buffers
 
     @property
+    def in_flight(self) -> Optional[CopiesInFlight]:
+        """The device copies still filling ``buffers`` (None: every buffer is filled already).
+        The writer waits for them before it reads a buffer."""
+        return self._set.in_flight
+
+    def wait_until_copied(self) -> None:
+        """Block until every buffer holds its copy."""
+        if self._set.in_flight is not None:
+            self._set.in_flight.wait()
+
+    @property
     def released(self) -> bool:
         return self._pool is None
 
     def release(self) -> None:
-        """The write that read these buffers is over (finalized or failed)."""
+        """The write that read these buffers is over (finalized or failed). A write that failed
+        before it waited for the copies: they are waited for here, so that a later save never
+        stages into buffers a copy still fills."""
         pool, self._pool = self._pool, None
         if pool is not None:
+            self.wait_until_copied()
+            self._set.in_flight = None
             pool._give_back(self._set)
 
 
@@ -176,10 +195,10 @@ class StagingBuffers:
                 copy_in_this_thread(staged_buffer, tensor)
             else:
                 from_device.copy(staged_buffer, tensor)
-        from_device.wait()  # one synchronize: once stage() returns, the writer may read every buffer
+        in_flight = from_device.finish_later()  # the writer waits for them (StagingLease.wait_until_copied)
         self.last_copy_seconds = time.perf_counter() - start
         live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
-        return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live])
+        return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live], in_flight)
 
     def _allocate(self, likes: List[torch.Tensor], arenas: List[SharedArena]) -> List[torch.Tensor]:
         pinned = any(t.device.type == "cuda" for t in likes)  # copies from the GPU: page-locked memory

@@ -1,0 +1,173 @@
+"""An asynchronous save returns while its device-to-host copies still run (``runtime.in_flight``):
+the write, in a thread or in the writer process, must not read a staging buffer before they
+finished, jobs must reach the writer process in order, and a buffer set must not be reused while
+a copy fills it. The copies are stood in for by a gate the test opens: the real CUDA path is
+``benchmarks/gpu_check.py``'s async checks on a GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_ckpt.core import CheckpointingException
+from dist_ckpt.runtime.devices import DeviceCopies
+from dist_ckpt.runtime.in_flight import AfterCopies, CopiesInFlight, OrderedHandOff
+from dist_ckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.strategies.dcp.staging import StagingBuffers
+
+
+class Gate:
+    """Copies that finish when the test says so (``open``), or fail (``fail``)."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.waited_on: list = []
+        self.error: BaseException | None = None
+
+    def open(self) -> None:
+        self._open.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._open.set()
+
+    def wait(self) -> None:
+        self.waited_on.append(threading.current_thread().name)
+        assert self._open.wait(60), "the gate was never opened"
+        if self.error is not None:
+            raise self.error
+
+
+def append_line(path: str, line: str) -> str:
+    """A write job the writer process can run (module-level: it is pickled)."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    return line
+
+
+def _wait_for(predicate, seconds: float = 30.0) -> bool:
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_thread_write_waits_for_the_copies_and_scheduling_does_not(tmp_path):
+    out = tmp_path / "written"
+    gate = Gate()
+    queue = AsyncCallsQueue(persistent=False)
+    started = time.perf_counter()
+    queue.schedule_async_request(AsyncRequest(AfterCopies([gate], lambda: append_line(str(out), "w")), (), []))
+    assert time.perf_counter() - started < 5  # the training thread did not wait for the gate
+    assert _wait_for(lambda: gate.waited_on)  # the writer thread is waiting for the copies...
+    assert gate.waited_on[0].startswith("dist_ckpt-async")
+    assert not out.exists()  # ...and has not written
+    gate.open()
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert out.read_text() == "w\n"
+    queue.close()
+
+
+def test_the_writer_process_gets_a_job_only_after_its_copies_and_in_order(tmp_path):
+    out = tmp_path / "written"
+    first, second_done = Gate(), []
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        queue.schedule_async_request(AsyncRequest(AfterCopies([first], append_line), (str(out), "first"), []))
+        # no copies of its own: still handed over after the first, never before it
+        queue.schedule_async_request(AsyncRequest(append_line, (str(out), "second"), [lambda: second_done.append(1)]))
+        assert _wait_for(lambda: first.waited_on)
+        assert first.waited_on[0] == "dist_ckpt-writer-handoff"  # not the training thread
+        time.sleep(1.0)  # the writer process is up (it ran nothing yet): nothing was handed to it
+        assert not out.exists()
+        first.open()
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert out.read_text() == "first\nsecond\n" and second_done == [1]
+    finally:
+        queue.close()
+
+
+def test_copies_that_fail_fail_the_save_and_nothing_is_written(tmp_path):
+    out = tmp_path / "written"
+    gate = Gate()
+    queue = AsyncCallsQueue(persistent=True)
+    try:
+        queue.schedule_async_request(AsyncRequest(AfterCopies([gate], append_line), (str(out), "x"), []))
+        gate.fail(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        with pytest.raises(CheckpointingException, match="the staging copies failed: RuntimeError: CUDA error"):
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert not out.exists()
+    finally:
+        queue.close()
+
+
+def test_handoff_without_waiting_puts_at_once_and_close_flushes():
+    handoff, target = OrderedHandOff("t"), []
+
+    class Target:
+        def put(self, message):
+            target.append(message)
+
+    handoff.put(Target(), "a")
+    assert target == ["a"]  # no thread needed yet
+    gate = Gate()
+    handoff.put(Target(), "b", gate)
+    handoff.put(Target(), "c")
+    assert target == ["a"]
+    gate.open()
+    handoff.close()
+    assert target == ["a", "b", "c"]
+
+
+def test_a_staging_set_is_not_given_back_while_copies_fill_it():
+    pool = StagingBuffers()
+    lease = pool.stage([torch.arange(10.0)])
+    assert lease.in_flight is None  # host tensors: copied before stage() returned
+    gate = Gate()
+    lease._set.in_flight = gate  # as a GPU save's lease is
+    released = threading.Thread(target=lease.release)
+    released.start()
+    assert _wait_for(lambda: gate.waited_on)
+    assert released.is_alive() and pool.leased == 1
+    gate.open()
+    released.join(30)
+    assert pool.leased == 0 and lease.released
+
+
+def test_copies_in_flight_wait_once_and_let_their_sources_go():
+    class Event:
+        def __init__(self):
+            self.synchronized = 0
+
+        def synchronize(self):
+            self.synchronized += 1
+
+        def query(self):
+            return False
+
+    event, source = Event(), torch.ones(3)
+    in_flight = CopiesInFlight(event, [source])
+    assert not in_flight.finished
+    in_flight.wait()
+    in_flight.wait()
+    assert event.synchronized == 1 and in_flight.finished and in_flight._sources is None
+
+
+def test_host_copies_leave_nothing_in_flight():
+    copies = DeviceCopies()
+    target = torch.empty(4)
+    copies.copy(target, torch.arange(4.0))
+    assert copies.finish_later() is None and torch.equal(target, torch.arange(4.0))
+
+
+def test_an_after_copies_job_waits_in_a_synchronous_call_too(tmp_path):
+    gate = Gate()
+    gate.open()
+    assert AfterCopies([gate], append_line)(str(Path(tmp_path) / "f"), "s") == "s"
+    assert gate.waited_on == [threading.current_thread().name]
