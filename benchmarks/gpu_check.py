@@ -1,7 +1,7 @@
 """dist_ckpt on a real GPU: every load and save path with CUDA tensors checked bit for bit, then
 the times a GPU job waits for, side by side with PyTorch DCP and a floor, in one run.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py --out gpu_report.json            # ~6 min on one H200
+    PYTHONPATH=. python benchmarks/gpu_check.py --out gpu_report.json            # ~7 min on one H200
     PYTHONPATH=. python benchmarks/gpu_check.py --state-gib 1 --out report.json  # a quicker run
     PYTHONPATH=. python benchmarks/gpu_check.py --smoke                          # the plumbing, on CPU
     PYTHONPATH=. python benchmarks/gpu_check.py --checks merges,local_tier --skip-measure  # a rerun of two

@@ -392,9 +392,11 @@ class PersistentAsyncCaller(AsyncCaller):
             # Staged tensors travel as references into arenas the writer holds (shared_arena),
             # other CPU tensors as shared-memory handles (torch's reductions), never as bytes.
             known = set(self._known_arenas)
-            fn, after = request.async_fn, None
+            fn: Callable[..., Any] = request.async_fn
+            after: Optional[AfterCopies] = None
             if isinstance(fn, AfterCopies):  # this process waits for the copies, then hands the job over
-                fn, after = fn.job, fn
+                after = fn
+                fn = fn.job
             payload = JobPickler.dumps_job((fn, request.async_fn_args, request.async_fn_kwargs), known)
         except Exception as e:  # noqa: BLE001
             request.async_error = CheckpointingException(
