@@ -41,7 +41,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -55,7 +55,7 @@ from ..integrity.safe_unpickle import safe_torch_load
 from ..storage.commit import StagedSave, begin_save, commit_staged
 from ..storage.object_store import is_url
 from .common import TorchCommonSaveStrategy
-from .dcp.files import DcpReader, write_dcp_files, write_dcp_metadata
+from .dcp.files import DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
 from .dcp.read import READ_THREADS
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
@@ -120,16 +120,23 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         zip_crc32: compute the zip CRC32 of large tensor records, for zip tools and torch < 2.6
             (about 0.3 s of CPU per GiB; the manifest's xxh3 covers the bytes either way, and
             torch >= 2.6 loads records without it - as ``torch_dist`` saves by default).
+        _extensions: DCP stream transforms applied to every item, with torch's meaning (e.g.
+            ``[torch.distributed.checkpoint._extension.ZStandard()]``: compressed items); each
+            item's ``transform_descriptors`` in ``.metadata`` say how to undo them, so torch's
+            reader and any DCP reader load the checkpoint. None or empty: none (torch's default).
+            The checksums cover the bytes as stored.
     """
 
     def __init__(self, path: Optional[PathLike] = None, thread_count: int = 1, overwrite: Optional[bool] = True,
-                 cache_staged_state_dict: bool = False, zip_crc32: bool = False) -> None:
+                 cache_staged_state_dict: bool = False, zip_crc32: bool = False,
+                 _extensions: Optional[Sequence[Any]] = None) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         self.path: Optional[Path] = None if path is None else _local_path(path, type(self).__name__)
         self.thread_count = max(1, int(thread_count))
         self.overwrite = overwrite
         self.zip_crc32 = zip_crc32
+        self.extensions: Tuple[Any, ...] = checked_extensions(_extensions)
         self.is_coordinator = False
         self.save_id = uuid.uuid4().hex
         self._staged: Optional[StagedSave] = None  # coordinator, from prepare_global_plan to finish
@@ -185,7 +192,8 @@ class FileSystemWriter(StorageWriter, BlockingAsyncStager):
         staging = self._target().parent / destination.staging_name
         recorder = Recorder()
         results = write_dcp_files(staging, destination.file_prefix, plan.items, planner.resolve_data, recorder,
-                                  thread_count=self.thread_count, zip_crc32=self.zip_crc32)
+                                  thread_count=self.thread_count, zip_crc32=self.zip_crc32,
+                                  extensions=self.extensions)
         entries = {(e.file, e.offset): e for e in recorder.entries()}
         recorded = [dataclasses.replace(r, storage_data=_RecordedStorage(
             r.storage_data, entries[(r.storage_data.relative_path, r.storage_data.offset)])) for r in results]
@@ -244,10 +252,15 @@ class FileSystemReader(DcpReader):
     Args:
         path: the checkpoint directory (or give ``checkpoint_id`` to ``dcp.load``).
         thread_count: reader threads per rank.
+        _extension_registry: the stream transforms items may name in their
+            ``transform_descriptors``, with torch's meaning (an ``ExtensionRegistry``; None:
+            torch's default one, which knows ``ZStandard``). Register a custom transform here.
     """
 
-    def __init__(self, path: Optional[PathLike] = None, thread_count: int = READ_THREADS) -> None:
-        super().__init__("" if path is None else _local_path(path, type(self).__name__), thread_count)
+    def __init__(self, path: Optional[PathLike] = None, thread_count: int = READ_THREADS,
+                 _extension_registry: Optional[Any] = None) -> None:
+        super().__init__("" if path is None else _local_path(path, type(self).__name__), thread_count,
+                         _extension_registry)
         self._has_path = path is not None
 
     def reset(self, checkpoint_id: Union[PathLike, None] = None) -> None:

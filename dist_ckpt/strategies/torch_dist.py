@@ -61,7 +61,7 @@ from ..sharding.regions import RequestedRegions
 from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .interfaces import IndexPart
-from .dcp.files import DCP_METADATA_FNAME, DcpReader, write_dcp_files, write_dcp_metadata
+from .dcp.files import DCP_METADATA_FNAME, DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
 from .dcp.index_parts import CompactIndex, IndexCutter
 from .dcp.plan import (
     LocalSavePlan,
@@ -137,12 +137,13 @@ class DcpWriteJob:
     thread_count: int = 1
     zip_crc32: bool = False
     first_file: int = 0  # file numbers start here (a save may write its files in two parts)
+    extensions: Tuple[Any, ...] = ()  # DCP stream transforms of every item (``write_dcp_file``)
 
     def __call__(self) -> Tuple[List[Any], List[Any]]:
         recorder = Recorder()
         results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
                                   _ItemSource(self.tensors, self.objects), recorder, self.thread_count,
-                                  self.zip_crc32, self.first_file)
+                                  self.zip_crc32, self.first_file, self.extensions)
         fsync_directory(self.checkpoint_dir)
         return results, recorder.entries()
 
@@ -173,13 +174,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             block for ever on a stalled server. None (default): no limit, as in DCP.
         planner: a DCP ``SavePlanner`` of the user's (rename, drop, transform items), through
             DCP's protocol as well; default Megatron-Core's ``MCoreSavePlanner``.
+        extensions: DCP stream transforms applied to every item, with the meaning of torch's
+            ``FileSystemWriter(_extensions=...)`` (e.g. ``[ZStandard()]``: compressed items,
+            recorded per item in ``.metadata``, read back by dist_ckpt, torch's reader and
+            Megatron-Core's). Checksums cover the bytes as stored.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
                  thread_count: int = 1, cached_metadata: bool = False, separation_hint: Optional[str] = None,
                  async_writer: str = "thread", zip_crc32: bool = False,
                  async_staging_budget: Optional[int] = None, storage_writer_factory: Optional[WriterFactory] = None,
-                 planner: Optional[SavePlanner] = None, storage_writer_timeout_s: Optional[float] = None) -> None:
+                 planner: Optional[SavePlanner] = None, storage_writer_timeout_s: Optional[float] = None,
+                 extensions: Optional[Sequence[Any]] = None) -> None:
         """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
         structure fingerprint (``sharding.fingerprint.structure_fingerprint``) is the same on every rank
         as in this strategy's previous save reuses that save's plan instead of gathering all
@@ -206,6 +212,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.storage_writer_factory = storage_writer_factory
         self.storage_writer_timeout_s = storage_writer_timeout_s
         self.planner = planner
+        self.extensions = checked_extensions(extensions)
+        if self.extensions and (storage_writer_factory is not None or planner is not None):
+            raise CheckpointingException(
+                "extensions apply to dist_ckpt's own writer; with a storage_writer_factory or a planner, give them "
+                "to the storage writer itself (e.g. dist_ckpt.strategies.filesystem.FileSystemWriter(_extensions=...))")
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -233,7 +244,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         plan, metadata, object_blobs = self._plan(dist, leaves, tensors, objects)
         staged = self._stage(dist, checkpoint_dir, plan, tensors, stage)
         job: Callable[[], Any] = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.background_items,
-                                             staged.sources, object_blobs, self.thread_count, self.zip_crc32)
+                                             staged.sources, object_blobs, self.thread_count, self.zip_crc32,
+                                             extensions=self.extensions)
         in_flight = [lease.in_flight for lease in staged.leases if lease.in_flight is not None]
         if in_flight:  # device copies still filling the staging buffers: the write waits for them
             job = AfterCopies(in_flight, job)
@@ -323,7 +335,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 return
             sources = {i.index: staged.sources.pop(i.index) for i in staged.direct}
             job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.direct, sources, {}, self.thread_count,
-                              self.zip_crc32, first_file=self.thread_count)
+                              self.zip_crc32, first_file=self.thread_count, extensions=self.extensions)
             staged.direct_results, staged.direct_entries = job()
 
         try:
@@ -394,16 +406,20 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             checkpoint it is given dist_ckpt's verified local copy.
         planner: a DCP ``LoadPlanner`` of the user's (rename keys, transform tensors on load),
             through DCP's protocol as well.
+        extension_registry: the DCP stream transforms items may name (torch's
+            ``ExtensionRegistry``; None: torch's default, which knows ``ZStandard``): register
+            a custom transform here to load checkpoints written with it.
     """
 
     backend = "torch_dist"
     supported_versions = (1,)
 
     def __init__(self, thread_count: int = READ_THREADS, storage_reader_factory: Optional[ReaderFactory] = None,
-                 planner: Optional[LoadPlanner] = None) -> None:
+                 planner: Optional[LoadPlanner] = None, extension_registry: Optional[Any] = None) -> None:
         self.thread_count = thread_count
         self.storage_reader_factory = storage_reader_factory
         self.planner = planner
+        self.extension_registry = extension_registry
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -419,7 +435,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if self.storage_reader_factory is not None or self.planner is not None:
             return load_through_dcp(sharded_state_dict, Path(checkpoint_dir), self.storage_reader_factory,
                                     self.planner, self.thread_count)
-        reader = DcpReader(checkpoint_dir, self.thread_count)
+        reader = DcpReader(checkpoint_dir, self.thread_count, self.extension_registry)
         return self._load_direct(sharded_state_dict, reader, reader.read_metadata())
 
     def index_parts(self, checkpoint_dir: Path, requests: Sequence[RequestedRegions]
@@ -455,7 +471,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                              index_part: IndexPart) -> StateDict:
         if not isinstance(index_part.content, CompactIndex) or not self._reads_directly():
             return self.load(sharded_state_dict, checkpoint_dir)  # this rank's reader, planner or own load
-        return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count),
+        return self._load_direct(sharded_state_dict, DcpReader(checkpoint_dir, self.thread_count,
+                                                               self.extension_registry),
                                  index_part.content.to_metadata())
 
     def _load_direct(self, sharded_state_dict: ShardedStateDict, reader: DcpReader, metadata: Metadata

@@ -1,9 +1,9 @@
 """File I/O of the 'torch_dist' format: writing ``.distcp`` files and ``.metadata``, reading
 them back with every offset, size, name and checksum checked.
 
-Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written (its stream
-extensions would add transform descriptors that Megatron-Core cannot read), and its writer
-keeps every tensor of a file alive until the file closes. The bytes written are the same: each
+Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written, and its writer
+keeps every tensor of a file alive until the file closes. DCP's stream transforms (compression,
+user transforms) are applied the same way as torch applies them (``transformed_stream``). The bytes written are the same: each
 item is a standalone ``torch.save`` blob (bytes items verbatim) at the offset and length the
 pickled ``Metadata`` records (written by ``record`` without torch.save's copies), one
 fsync per file. Reading keeps DCP's ``FileSystemReader`` for
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...core import CheckpointNotFoundError, CorruptCheckpointError
+from ...core import CheckpointNotFoundError, CheckpointingException, CorruptCheckpointError
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
@@ -51,6 +51,8 @@ __all__ = [
     "write_dcp_file",
     "write_dcp_files",
     "write_dcp_metadata",
+    "checked_extensions",
+    "transformed_stream",
     "DcpReader",
     "load_dcp_metadata_pickle",
 ]
@@ -86,8 +88,8 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
 
 
 def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
-                   recorder: Recorder, zip_crc32: bool = True, caller: Optional[CallerStreams] = None
-                   ) -> List[WriteResult]:
+                   recorder: Recorder, zip_crc32: bool = True, caller: Optional[CallerStreams] = None,
+                   extensions: Sequence[Any] = ()) -> List[WriteResult]:
     """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync.
 
     Each item starts at a multiple of ``ITEM_ALIGNMENT`` bytes (zeros in between, in no item:
@@ -98,24 +100,34 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
     state took 120 ms instead of 130.
 
     A tensor in device memory is copied to the host one item ahead (``_in_host_memory``), after
-    the work the caller (``caller``: its streams, taken on its thread) had queued."""
+    the work the caller (``caller``: its streams, taken on its thread) had queued.
+
+    ``extensions``: DCP stream transforms (``StreamTransformExtension``, e.g. torch's
+    ``ZStandard``), applied to every item as torch's writer applies them; the item's
+    ``transform_descriptors`` say which, so any DCP reader undoes them. The checksum covers
+    the bytes as stored (transformed)."""
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
         for item, data in _in_host_memory(items, resolve, HostCopies(caller)):
             stream.start_item(ITEM_ALIGNMENT)
+            sink, descriptors = transformed_stream(stream, extensions)
             if isinstance(data, io.BytesIO):  # a BYTE_IO item
-                stream.write(data.getbuffer())
+                sink.write(data.getbuffer())
             else:
                 tensor = data.detach()
                 if not tensor.is_contiguous():
                     tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
-                write_tensor_record(stream.write, tensor, zip_crc32=zip_crc32, expect_data=stream.expect_data)
+                write_tensor_record(sink.write, tensor, zip_crc32=zip_crc32,
+                                    expect_data=None if descriptors else stream.expect_data)
                 del tensor, data  # one tensor alive at a time (streamed saves depend on it)
+            if descriptors:
+                sink.close()  # the transforms' last bytes, into ``stream``
             offset, length, digest = stream.finish_item()
             recorder.add(name, offset, length, digest, item.index.fqn, stream.last_blocks)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                       storage_data=_StorageInfo(name, offset, length)))
+                                       storage_data=_StorageInfo(name, offset, length,
+                                                                 transform_descriptors=descriptors or None)))
         raw.flush()
         os.fsync(raw.fileno())
     return results
@@ -148,9 +160,10 @@ def _in_host_memory(items: List[WriteItem], resolve: Callable[[WriteItem], ItemD
 
 def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
                     recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True,
-                    first_file: int = 0) -> List[WriteResult]:
+                    first_file: int = 0, extensions: Sequence[Any] = ()) -> List[WriteResult]:
     """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced
-    once each; ``zip_crc32=False`` leaves the zip CRC fields 0 (see ``write_tensor_record``)."""
+    once each; ``zip_crc32=False`` leaves the zip CRC fields 0 (see ``write_tensor_record``);
+    ``extensions``: DCP stream transforms of every item (``write_dcp_file``)."""
     buckets = _buckets(items, thread_count)
     results: List[List[WriteResult]] = [[] for _ in buckets]
     errors: List[BaseException] = []
@@ -160,7 +173,7 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
         try:
             name = f"{prefix}{first_file + i}.distcp"
             results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32,
-                                        caller)
+                                        caller, extensions)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)
 
@@ -174,6 +187,46 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     if errors:
         raise errors[0]
     return [r for rs in results for r in rs]
+
+
+class _KeepOpen(io.RawIOBase):
+    """The file stream as the innermost transform's target: closing the transforms (which
+    cascade their close) flushes them into the file without closing it."""
+
+    def __init__(self, stream: HashingWriter) -> None:
+        super().__init__()
+        self._stream = stream
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return self._stream.write(data)
+
+
+def checked_extensions(extensions: Optional[Sequence[Any]]) -> Tuple[Any, ...]:
+    """``extensions`` as a tuple, each a DCP ``StreamTransformExtension``: anything else fails
+    here, when the writer is made, not in the middle of a save."""
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    checked = tuple(extensions or ())
+    for extension in checked:
+        if not isinstance(extension, StreamTransformExtension):
+            raise CheckpointingException(f"_extensions takes torch.distributed.checkpoint._extension.StreamTransformExtension "
+                            f"objects (e.g. ZStandard()), not {type(extension).__name__}")
+    return checked
+
+
+def transformed_stream(stream: HashingWriter, extensions: Sequence[Any]) -> Tuple[Any, List[str]]:
+    """Where an item's bytes go: ``stream`` itself without extensions, else the chain of their
+    ``transform_to`` around it (the first extension innermost, as torch chains them), and the
+    descriptors that undo it, outermost first (what torch records in ``transform_descriptors``)."""
+    if not extensions:
+        return stream, []
+    sink: Any = _KeepOpen(stream)
+    for extension in extensions:
+        sink = extension.transform_to(sink)
+    return sink, [extension.get_descriptor() for extension in reversed(extensions)]
 
 
 def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[WriteResult], recorder: Recorder,
@@ -291,8 +344,8 @@ class DcpReader(FileSystemReader):
     """DCP's reader with the allowlisted unpickler, checksum verification and checked offsets,
     sizes and file names; items are read by ``thread_count`` threads."""
 
-    def __init__(self, path: Any, thread_count: int = 1) -> None:
-        super().__init__(path)
+    def __init__(self, path: Any, thread_count: int = 1, extension_registry: Optional[Any] = None) -> None:
+        super().__init__(path, _extension_registry=extension_registry)
         self.thread_count = thread_count
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -379,8 +432,8 @@ class DcpReader(FileSystemReader):
                     f"{info.offset}+{info.length}) but the file has {sizes[name]} bytes; the file is truncated "
                     f"or the metadata is damaged"
                 )
-            if nbytes > info.length:
-                raise CorruptCheckpointError(
+            if nbytes > info.length and not getattr(info, "transform_descriptors", None):  # a transformed
+                raise CorruptCheckpointError(                                               # item may be smaller
                     f"'{item.storage_index.fqn}': .metadata claims a chunk of {nbytes} bytes stored in "
                     f"{info.length} bytes; the metadata is damaged"
                 )
@@ -404,8 +457,7 @@ class DcpReader(FileSystemReader):
 
         def fallback(group: ItemGroup, blob: bytes) -> None:
             if group.transformed:
-                blob = self.transforms.transform_load_stream(
-                    group.items[0], group.info.transform_descriptors, io.BytesIO(blob)).read()
+                blob = self._untransformed(group, blob)
             for item in group.items:
                 self._apply(blob, Path(self.path) / group.file, item, planner)
 
@@ -413,6 +465,29 @@ class DcpReader(FileSystemReader):
         future: Any = torch.futures.Future()
         future.set_result(None)
         return future
+
+    def _untransformed(self, group: ItemGroup, blob: bytes) -> bytes:
+        """An item's bytes with its DCP stream transforms undone (decompressed, ...)."""
+        descriptors = list(group.info.transform_descriptors)
+        try:
+            transforms = self.transforms.extension_registry.from_descriptor_list(descriptors)
+        except ValueError as e:
+            raise CheckpointingException(
+                f"{Path(self.path) / group.file}: '{group.items[0].storage_index.fqn}' was written through the stream "
+                f"transforms {descriptors}, which this reader does not know ({e}); register them in an "
+                f"ExtensionRegistry and pass it (FileSystemReader(_extension_registry=...), "
+                f"TorchDistLoadShardedStrategy(extension_registry=...))") from None
+        from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+        # The writer (torch's, and ``transformed_stream``) records the descriptors outermost-first
+        # in the order the data went through them, so the stored bytes carry the last one's
+        # encoding on the outside: it is undone first. (torch's own reader applies them in the
+        # recorded order, which undoes a single transform right, but fails on a chain of two.)
+        stream: Any = io.BytesIO(blob)
+        for transform in reversed(transforms):
+            if isinstance(transform, StreamTransformExtension):
+                stream = transform.transform_from(stream)
+        return stream.read()
 
     @staticmethod
     def _apply(blob: bytes, path: Path, item: ReadItem, planner: LoadPlanner) -> None:
