@@ -301,6 +301,40 @@ def _main_job(rank: int, world: int, root: str, size_mib: int, repeat: int, part
     return times
 
 
+def _zstd_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Times:
+    """dist_ckpt's save and cold load of the state with DCP's ZStandard stream transform
+    (``TorchDistSaveShardedStrategy(extensions=[ZStandard()])``) and without, in turns; and the
+    stored bytes over the state's bytes (``zstd_stored_ratio``)."""
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    state = model_state(size_mib, rank, world)
+    targets = {k: (torch.zeros_like(t), axis) for k, (t, axis) in state.items()}
+    nbytes = sum(t.numel() * t.element_size() for t, _ in state.values())
+    strategies = {"dist_ckpt": TorchDistSaveShardedStrategy(),
+                  "dist_ckpt+zstd": TorchDistSaveShardedStrategy(extensions=[ZStandard()])}
+    times: Times = {}
+    for r in range(repeat + 1):  # round 0: warm-up, discarded
+        for name in (list(strategies) if r % 2 == 0 else list(strategies)[::-1]):
+            d = Path(root) / f"zstd-{name}-{r}"
+            t_save = _timed(lambda: dist_ckpt.save(_sharded(state, rank, world), d, sharded_strategy=strategies[name]))
+            if rank == 0:
+                drop_page_cache(d)
+            dist.barrier()
+            t_load = _timed(lambda: dist_ckpt.load(_sharded(targets, rank, world), d))
+            stored = sum(f.stat().st_size for f in d.glob("*.distcp"))
+            if r > 0:
+                _add(times, name, "zstd_part_save", t_save)
+                _add(times, name, "zstd_part_load", t_load)
+                _add(times, name, "zstd_stored_ratio", stored / (nbytes * world))
+            dist.barrier()
+            if rank == 0:
+                _remove(d)
+            dist.barrier()
+    return times
+
+
 def _update(times: Times, more: Times) -> None:
     for tool, phases in more.items():
         times.setdefault(tool, {}).update(phases)
@@ -732,7 +766,7 @@ def _table(results: Times, nbytes: int) -> List[str]:
     for tool, phases in results.items():
         for phase, values in phases.items():
             med = statistics.median(values)
-            unit = phase.endswith("_mem") or phase.endswith("slowdown")
+            unit = phase.endswith("_mem") or phase.endswith("slowdown") or phase.endswith("_ratio")
             speed = "" if unit or phase.startswith("small") or phase.startswith("async") else f"{nbytes / med / 1e9:.2f}"
             raw = results.get("raw", {}).get(phase)
             mcore = results.get("megatron-core", {}).get(phase)
@@ -960,6 +994,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 _update(results, _merge(run_distributed(_small_job, world, str(root), [1000], args.repeat,
                                                         f"_{world}ranks")))
                 _update(results, _merge(run_distributed(_scaling_floor_job, world, args.repeat, f"_{world}ranks")))
+        if "zstd" in parts:
+            _update(results, _merge(run_distributed(_zstd_job, WORLD, str(root), args.size_mib, args.repeat)))
         if "local" in parts:
             shm = tempfile.mkdtemp(prefix="dist_ckpt_bench_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             try:
