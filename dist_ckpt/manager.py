@@ -48,7 +48,7 @@ import os
 import re
 from pathlib import Path
 from collections import Counter
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union, cast
 
 from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
 from .integrity.manifest import MANIFEST_FNAME, hash_bytes, parse_manifest
@@ -62,6 +62,7 @@ from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with 
 from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import SaveShardedStrategy
+from .strategies.torch_dist import incremental_strategy
 from .tensor_aware_state_dict import StateMismatchError
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,12 @@ class CheckpointManager:
             "raise" (``IdenticalCheckpointError`` on every rank, through ``on_error``) or
             "ignore". A frozen model saved on purpose is "ignore"; anything else is a save that
             never saw the training state (a stale cached structure, a copy of the wrong buffers).
+        incremental: each save writes only the tensor items whose bytes changed since the last
+            committed checkpoint (its base) and hard-links the base's data files for the rest
+            (``strategies.dcp.incremental``): every checkpoint stays complete and loadable when
+            retention deletes its base. Costs a hash pass over the state per save; needs the
+            ``torch_dist`` strategy (None, or a ``TorchDistSaveShardedStrategy``) and a local
+            root (on an object store every save is full).
         save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
     """
 
@@ -155,7 +162,8 @@ class CheckpointManager:
                  storage_options: Optional[dict] = None, local_dir: Union[str, os.PathLike, None] = None,
                  local_every: Optional[int] = None, persistent_every: Optional[int] = None,
                  local_replication_factor: int = 1, local_replication_jump: Optional[int] = None,
-                 local_session: Optional[str] = None, on_identical_save: str = "warn", **save_kwargs: Any) -> None:
+                 local_session: Optional[str] = None, on_identical_save: str = "warn", incremental: bool = False,
+                 **save_kwargs: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if on_identical_save not in ("warn", "raise", "ignore"):
@@ -174,7 +182,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
-        self.sharded_strategy = sharded_strategy
+        self.sharded_strategy = incremental_strategy(sharded_strategy) if incremental else sharded_strategy
+        self.incremental = incremental
         self.on_error = on_error
         self.max_pending = max_pending
         self.save_kwargs = save_kwargs
@@ -216,6 +225,8 @@ class CheckpointManager:
             return
         target = self.location.checkpoint(name)
         try:
+            if self.incremental:
+                self._choose_base()
             self._record_save_start(name)
             request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
                            **self._storage_kwargs(), **self.save_kwargs)
@@ -232,6 +243,14 @@ class CheckpointManager:
         self._schedule(step, request)
         if blocking:
             self.wait()
+
+    def _choose_base(self) -> None:
+        """The base of the next incremental save: the checkpoint a resume would load now (the
+        last committed one), on a local root; none (a full save) before the first or on an
+        object store."""
+        strategy = cast(Any, self.sharded_strategy)
+        latest = self.latest_step() if isinstance(self.location, LocalRunRoot) else None
+        strategy.incremental_base = None if latest is None else self.location.checkpoint(checkpoint_dir_name(latest))
 
     def _tier_of(self, step: Step) -> Optional[str]:
         """Where ``save(step)`` goes: "persistent", "local" or None (not saved at this step)."""

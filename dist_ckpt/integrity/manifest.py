@@ -218,6 +218,8 @@ def manifest_bytes(entries: List[ManifestEntry]) -> bytes:
     """The manifest document: entries sorted by (file, offset), then ``"manifest_hash"``, the
     hash of every byte before that field."""
     rows = sorted((_row(e) for e in entries), key=lambda r: (r[0], r[1]))
+    # a data file several ranks hard-linked from an incremental save's base: its entries once
+    rows = [row for i, row in enumerate(rows) if i == 0 or row != rows[i - 1]]
     content = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "hash": HASH_ALGORITHM, "entries": rows}
     body = json.dumps(content, separators=(",", ":")).encode()[:-1]  # without its closing brace
     return body + _SELF_HASH_FIELD + hash_bytes(body).encode() + b'"}'

@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import os
 import pickle
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, cast
@@ -62,6 +64,7 @@ from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .interfaces import IndexPart
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
+from .dcp.incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
 from .dcp.index_parts import CompactIndex, IndexCutter
 from .dcp.plan import (
     LocalSavePlan,
@@ -81,7 +84,7 @@ from .dcp.views import ViewLoadPlanner, bytes_read_item
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read_dcp_metadata"]
+__all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read_dcp_metadata", "incremental_strategy"]
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -121,6 +124,7 @@ class _StagedTensors:
     direct: List[WriteItem] = field(default_factory=list)  # written at once, from the live tensors (over the budget)
     direct_results: List[Any] = field(default_factory=list)
     direct_entries: List[ManifestEntry] = field(default_factory=list)
+    direct_reuse: Optional[ReuseStats] = None
     background_items: List[WriteItem] = field(default_factory=list)  # what the request's write does
 
 
@@ -138,14 +142,55 @@ class DcpWriteJob:
     zip_crc32: bool = False
     first_file: int = 0  # file numbers start here (a save may write its files in two parts)
     extensions: Tuple[Any, ...] = ()  # DCP stream transforms of every item (``write_dcp_file``)
+    content_hashes: bool = False  # record each tensor item's content digest (``dcp.incremental``)
+    base: Optional[BaseIndex] = None  # reference the items equal to this base's instead of writing them
 
-    def __call__(self) -> Tuple[List[Any], List[Any]]:
+    def __call__(self) -> Tuple[List[Any], List[Any], Optional[ReuseStats]]:
+        """(DCP write results, manifest entries, what was referenced in the base)."""
         recorder = Recorder()
+        content = ContentLog() if self.content_hashes or self.base is not None else None
+        reuse = None
+        if self.base is not None:
+            reuse = Reuse(self.base, self.checkpoint_dir, [e.get_descriptor() for e in reversed(self.extensions)])
         results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
                                   _ItemSource(self.tensors, self.objects), recorder, self.thread_count,
-                                  self.zip_crc32, self.first_file, self.extensions)
+                                  self.zip_crc32, self.first_file, self.extensions, content, reuse)
+        if content is not None:
+            content.write(self.checkpoint_dir, f"{self.prefix}{self.first_file}{CONTENT_SUFFIX}", recorder)
         fsync_directory(self.checkpoint_dir)
-        return results, recorder.entries()
+        return results, recorder.entries(), None if reuse is None else reuse.stats
+
+
+def _base_index(base: Path) -> Optional[BaseIndex]:
+    """The base of an incremental save, or None (logged: the save writes everything) when it is
+    not a committed ``torch_dist`` checkpoint whose index, manifest and content records verify."""
+    try:
+        return BaseIndex.load(base, read_dcp_metadata(base))
+    except (CheckpointingException, OSError) as e:
+        logger.warning("incremental save: %s cannot serve as the base (%s); saving in full", base, e)
+        return None
+
+
+def incremental_strategy(given: Any) -> "TorchDistSaveShardedStrategy":
+    """The strategy of an incremental ``CheckpointManager``: ``given`` (None: a new one) with
+    content hashes on; anything but dist_ckpt's own ``torch_dist`` writer is refused."""
+    if given is None:
+        return TorchDistSaveShardedStrategy(content_hashes=True)
+    if (isinstance(given, TorchDistSaveShardedStrategy) and given.storage_writer_factory is None
+            and given.planner is None):
+        given.content_hashes = True
+        return given
+    raise CheckpointingException(f"incremental saves need dist_ckpt's torch_dist writer (None, or a "
+                                 f"TorchDistSaveShardedStrategy without storage_writer_factory or planner), not {given!r}")
+
+
+def _added(first: Optional[ReuseStats], second: Optional[ReuseStats]) -> Optional[ReuseStats]:
+    """The reuse of a save's two write jobs (what was written at once, and in the background)."""
+    if first is None or second is None:
+        return first or second
+    return ReuseStats(first.referenced_items + second.referenced_items,
+                      first.referenced_bytes + second.referenced_bytes, first.written_items + second.written_items,
+                      first.links + second.links, first.links_unavailable or second.links_unavailable)
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -178,6 +223,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``FileSystemWriter(_extensions=...)`` (e.g. ``[ZStandard()]``: compressed items,
             recorded per item in ``.metadata``, read back by dist_ckpt, torch's reader and
             Megatron-Core's). Checksums cover the bytes as stored.
+        content_hashes: record each tensor item's xxh3-128 content digest (a hash pass over the
+            state), so that the checkpoint can be the base of an incremental save.
+        incremental_base: a committed ``torch_dist`` checkpoint saved with content hashes: items
+            whose bytes, layout and transforms equal its items' are not written; the new
+            checkpoint hard-links the base's data files and references their bytes
+            (``dcp.incremental``). It stays complete and loadable after the base is deleted.
+            Implies ``content_hashes``. Set it per save (``strategy.incremental_base = path``);
+            ``last_reuse`` says what the last save referenced.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, keep_only_main_replica: bool = True,
@@ -185,7 +238,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                  async_writer: str = "thread", zip_crc32: bool = False,
                  async_staging_budget: Optional[int] = None, storage_writer_factory: Optional[WriterFactory] = None,
                  planner: Optional[SavePlanner] = None, storage_writer_timeout_s: Optional[float] = None,
-                 extensions: Optional[Sequence[Any]] = None) -> None:
+                 extensions: Optional[Sequence[Any]] = None, content_hashes: bool = False,
+                 incremental_base: Optional[Union[str, "os.PathLike[str]"]] = None) -> None:
         """Megatron-Core's arguments are accepted. ``cached_metadata=True``: a save whose
         structure fingerprint (``sharding.fingerprint.structure_fingerprint``) is the same on every rank
         as in this strategy's previous save reuses that save's plan instead of gathering all
@@ -217,6 +271,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise CheckpointingException(
                 "extensions apply to dist_ckpt's own writer; with a storage_writer_factory or a planner, give them "
                 "to the storage writer itself (e.g. dist_ckpt.strategies.filesystem.FileSystemWriter(_extensions=...))")
+        self.content_hashes = content_hashes
+        self.incremental_base = incremental_base
+        if (content_hashes or incremental_base is not None) and (storage_writer_factory is not None
+                                                                  or planner is not None):
+            raise CheckpointingException("content_hashes and incremental_base apply to dist_ckpt's own writer, not "
+                                         "to a storage_writer_factory or a planner")
+        self.last_reuse: Optional[ReuseStats] = None  # of the last incremental save, this rank
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -242,10 +303,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
         recorder = recorder_for(checkpoint_dir)
         plan, metadata, object_blobs = self._plan(dist, leaves, tensors, objects)
-        staged = self._stage(dist, checkpoint_dir, plan, tensors, stage)
-        job: Callable[[], Any] = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.background_items,
-                                             staged.sources, object_blobs, self.thread_count, self.zip_crc32,
-                                             extensions=self.extensions)
+        prefix, options = self._job_options(dist)
+        staged = self._stage(dist, checkpoint_dir, plan, tensors, stage, prefix, options)
+        job: Callable[[], Any] = DcpWriteJob(checkpoint_dir, prefix, staged.background_items, staged.sources,
+                                             object_blobs, self.thread_count, self.zip_crc32, **options)
         in_flight = [lease.in_flight for lease in staged.leases if lease.in_flight is not None]
         if in_flight:  # device copies still filling the staging buffers: the write waits for them
             job = AfterCopies(in_flight, job)
@@ -256,7 +317,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         def finish_metadata() -> None:
             for lease in staged.leases:
                 lease.release()  # the write has ended: a later save may stage into these buffers
-            write_results, entries = request.async_result
+            write_results, entries, reuse = request.async_result
+            self.last_reuse = _added(staged.direct_reuse, reuse)
             write_results, entries = write_results + staged.direct_results, entries + staged.direct_entries
             for e in entries:
                 recorder.add_entry(e)
@@ -310,8 +372,20 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._cached_plan = (fingerprint, plan, copy.copy(metadata))
         return plan, metadata, local_blobs
 
+    def _job_options(self, dist: DistWrapper) -> Tuple[str, Dict[str, Any]]:
+        """The data files' name prefix and the write jobs' options of one save. A save with
+        content hashes names its files with a token of its own: an incremental save's new files
+        must not take the names of the base's files it links."""
+        options: Dict[str, Any] = {"extensions": self.extensions}
+        if not (self.content_hashes or self.incremental_base is not None):
+            return f"__{dist.rank}_", options
+        options["content_hashes"] = True
+        if self.incremental_base is not None:
+            options["base"] = _base_index(Path(self.incremental_base))
+        return f"__{dist.rank}_{uuid.uuid4().hex[:8]}_", options
+
     def _stage(self, dist: DistWrapper, checkpoint_dir: Path, plan: SavePlan, tensors: List[ShardedTensor],
-               stage: bool) -> "_StagedTensors":
+               stage: bool, prefix: str, options: Dict[str, Any]) -> "_StagedTensors":
         """Every tensor's source for the background write: a staging copy (``stage``: an
         asynchronous save, whose caller may change its tensors at once), or the live tensor. What
         does not fit the staging budget on some rank is written now, by every rank (collective)."""
@@ -334,9 +408,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if not staged.direct:
                 return
             sources = {i.index: staged.sources.pop(i.index) for i in staged.direct}
-            job = DcpWriteJob(checkpoint_dir, f"__{dist.rank}_", staged.direct, sources, {}, self.thread_count,
-                              self.zip_crc32, first_file=self.thread_count, extensions=self.extensions)
-            staged.direct_results, staged.direct_entries = job()
+            job = DcpWriteJob(checkpoint_dir, prefix, staged.direct, sources, {}, self.thread_count,
+                              self.zip_crc32, first_file=self.thread_count, **options)
+            staged.direct_results, staged.direct_entries, staged.direct_reuse = job()
 
         try:
             # one all-reduce: out of memory on one rank (every rank raises, none waits), and whether

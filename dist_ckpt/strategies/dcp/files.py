@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -43,6 +43,7 @@ from ...runtime.file_cache import ParsedFileCache
 from .metadata import MCoreMetadata, MCoreSavePlan
 from .chunk_copy import copy_region
 from .read import ItemGroup, read_item_groups
+from .incremental import ContentLog, Reuse, content_digest
 from .record import write_tensor_record
 
 __all__ = [
@@ -89,7 +90,8 @@ def _buckets(items: List[WriteItem], count: int) -> List[List[WriteItem]]:
 
 def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
                    recorder: Recorder, zip_crc32: bool = True, caller: Optional[CallerStreams] = None,
-                   extensions: Sequence[Any] = ()) -> List[WriteResult]:
+                   extensions: Sequence[Any] = (), content: Optional[ContentLog] = None,
+                   reuse: Optional[Reuse] = None) -> List[WriteResult]:
     """One ``.distcp`` file: ``items`` in order, each hashed into ``recorder``, one fsync.
 
     Each item starts at a multiple of ``ITEM_ALIGNMENT`` bytes (zeros in between, in no item:
@@ -105,31 +107,49 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
     ``extensions``: DCP stream transforms (``StreamTransformExtension``, e.g. torch's
     ``ZStandard``), applied to every item as torch's writer applies them; the item's
     ``transform_descriptors`` say which, so any DCP reader undoes them. The checksum covers
-    the bytes as stored (transformed)."""
+    the bytes as stored (transformed).
+
+    ``content``: each tensor item's content digest is recorded there (``incremental``);
+    ``reuse``: an item equal to the base's is referenced there instead of written."""
     results = []
     with open(path, "wb") as raw:
         stream = HashingWriter(raw)
         for item, data in _in_host_memory(items, resolve, HostCopies(caller)):
-            stream.start_item(ITEM_ALIGNMENT)
-            sink, descriptors = transformed_stream(stream, extensions)
-            if isinstance(data, io.BytesIO):  # a BYTE_IO item
-                sink.write(data.getbuffer())
-            else:
+            tensor: Optional[torch.Tensor] = None
+            content_hash: Optional[str] = None
+            if not isinstance(data, io.BytesIO):
                 tensor = data.detach()
                 if not tensor.is_contiguous():
                     tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
+                del data  # one tensor alive at a time (streamed saves depend on it)
+                if content is not None:
+                    content_hash = content_digest(tensor, zip_crc32)
+                    referenced = reuse.reference(item, content_hash, recorder, content) if reuse else None
+                    if referenced is not None:
+                        results.append(referenced)
+                        continue
+            stream.start_item(ITEM_ALIGNMENT)
+            sink, descriptors = transformed_stream(stream, extensions)
+            if tensor is None:  # a BYTE_IO item
+                sink.write(cast(io.BytesIO, data).getbuffer())
+            else:
                 write_tensor_record(sink.write, tensor, zip_crc32=zip_crc32,
                                     expect_data=None if descriptors else stream.expect_data)
-                del tensor, data  # one tensor alive at a time (streamed saves depend on it)
+                tensor = None
             if descriptors:
                 sink.close()  # the transforms' last bytes, into ``stream``
             offset, length, digest = stream.finish_item()
             recorder.add(name, offset, length, digest, item.index.fqn, stream.last_blocks)
+            if content is not None and content_hash is not None:
+                content.add(name, offset, item.index, content_hash)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length,
                                                                  transform_descriptors=descriptors or None)))
         raw.flush()
         os.fsync(raw.fileno())
+        wrote_nothing = stream.tell() == 0
+    if wrote_nothing and items:  # every item referenced in a base: no empty file beside them
+        path.unlink()
     return results
 
 
@@ -160,7 +180,8 @@ def _in_host_memory(items: List[WriteItem], resolve: Callable[[WriteItem], ItemD
 
 def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], resolve: Callable[[WriteItem], ItemData],
                     recorder: Recorder, thread_count: int = 1, zip_crc32: bool = True,
-                    first_file: int = 0, extensions: Sequence[Any] = ()) -> List[WriteResult]:
+                    first_file: int = 0, extensions: Sequence[Any] = (), content: Optional[ContentLog] = None,
+                    reuse: Optional[Reuse] = None) -> List[WriteResult]:
     """Write ``items`` into ``{prefix}{i}.distcp`` files (one per thread), hashed, fsynced
     once each; ``zip_crc32=False`` leaves the zip CRC fields 0 (see ``write_tensor_record``);
     ``extensions``: DCP stream transforms of every item (``write_dcp_file``)."""
@@ -173,7 +194,7 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
         try:
             name = f"{prefix}{first_file + i}.distcp"
             results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32,
-                                        caller, extensions)
+                                        caller, extensions, content, reuse)
         except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
             errors.append(e)
 

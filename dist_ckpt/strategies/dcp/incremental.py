@@ -1,0 +1,256 @@
+"""Incremental ``torch_dist`` saves: items whose bytes equal the same item's in a base checkpoint
+are not written again; the new checkpoint references the base's bytes through a hard link of the
+base's data file, and stays a complete, ordinary DCP checkpoint.
+
+Why hard links: a checkpoint must stay loadable after its base is deleted (retention keeps the
+newest few; `dist-ckpt clean` removes the rest). A hard link is a second name of the same file, so
+deleting the base removes its name and leaves the bytes to the checkpoints that link them; no
+deleter has to know which checkpoints depend on which. The files keep their names, so readers
+that know nothing of this (torch's ``FileSystemReader``, Megatron-Core) read them as any other
+data file.
+
+The decision: each tensor item's ``torch.save`` record (which holds its dtype, shape and bytes)
+is hashed with xxh3-128 before it would be written (``content_digest``); an item is referenced
+when the base stored an item at the same key and chunk offset, with the same global size,
+dtype, stream transforms and 128-bit digest (``ContentLog`` records them in each save's
+``__<rank>_..._content.json``, covered by the manifest). Everything else is written as usual.
+The references carry the base's manifest entries, so validation and loads verify the linked bytes
+as they verify written ones: a base byte damaged after the save is found when the new checkpoint
+is read.
+
+Where hard links cannot be made (another file system, some FUSE and object-store mounts) the
+item is written in full, and the log says so once per save. A base whose index, manifest or
+content records do not verify is not used: the save is a full one (logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import xxhash
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ...core import CheckpointingException
+from ...integrity.manifest import ManifestEntry, Recorder, load_manifest, verify_bytes
+from ...runtime.durable import atomic_write_bytes
+from .record import write_tensor_record
+
+__all__ = ["CONTENT_SUFFIX", "content_digest", "ContentLog", "BaseIndex", "Reuse", "ReuseStats"]
+
+logger = logging.getLogger(__name__)
+
+CONTENT_SUFFIX = "_content.json"
+CONTENT_FORMAT = "dist_ckpt_content"
+CONTENT_VERSION = 1
+CONTENT_HASH = "xxh3_128"
+
+
+def content_digest(tensor: torch.Tensor, zip_crc32: bool) -> str:
+    """The xxh3-128 hex digest of the record ``write_dcp_file`` writes for ``tensor`` (before
+    any stream transform): equal digests mean equal dtype, shape and bytes."""
+    hasher = xxhash.xxh3_128()
+    write_tensor_record(hasher.update, tensor, zip_crc32=zip_crc32)
+    return hasher.hexdigest()
+
+
+class _Row(NamedTuple):
+    file: str
+    offset: int
+    fqn: str
+    chunk_offset: Tuple[int, ...]
+    digest: str
+
+
+class ContentLog:
+    """One job's content digests, by the (file, offset) the item is stored at; written as one
+    JSON file beside the data files, recorded in the manifest like them."""
+
+    def __init__(self) -> None:
+        self._rows: List[_Row] = []
+        self._lock = threading.Lock()
+
+    def add(self, file: str, offset: int, index: MetadataIndex, digest: str) -> None:
+        with self._lock:
+            self._rows.append(_Row(file, offset, index.fqn, tuple(index.offset or ()), digest))
+
+    def write(self, checkpoint_dir: Path, name: str, recorder: Recorder) -> None:
+        rows = sorted(self._rows)
+        content = json.dumps({"format": CONTENT_FORMAT, "version": CONTENT_VERSION, "hash": CONTENT_HASH,
+                              "items": [list(r[:3]) + [list(r.chunk_offset), r.digest] for r in rows]}).encode()
+        atomic_write_bytes(Path(checkpoint_dir) / name, content)
+        recorder.add_bytes(name, content)
+
+
+class BaseItem(NamedTuple):
+    """A stored tensor item of the base checkpoint."""
+
+    info: Any  # its _StorageInfo (file, offset, length, transform descriptors)
+    entry: ManifestEntry  # its manifest entry (hash, block hashes)
+    digest: str  # xxh3-128 of its record
+    size: Tuple[int, ...]  # the global tensor's size
+    dtype: torch.dtype
+
+
+@dataclass
+class BaseIndex:
+    """What an incremental save needs of its base: its items by (key, chunk offset), and each
+    data file's identity when it was read (a file replaced since is not linked)."""
+
+    directory: str
+    items: Dict[Tuple[str, Tuple[int, ...]], BaseItem]
+    stamps: Dict[str, Tuple[int, int, int]] = field(default_factory=dict)  # file -> (inode, size, mtime_ns)
+    # file -> the manifest entries of every item in it: a linked file's bytes are all verified
+    # in the new checkpoint, the items it does not reference included
+    file_entries: Dict[str, List[ManifestEntry]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, base_dir: Any, metadata: Metadata) -> Optional["BaseIndex"]:
+        """The index of ``base_dir`` (whose ``.metadata`` is ``metadata``, read and checked), or
+        None (logged) when it cannot serve as a base: no manifest, a manifest that does not
+        verify, no content records (saved without content hashes), or records that do not
+        verify against the manifest."""
+        base = Path(base_dir)
+        manifest = load_manifest(base)
+        if manifest is None or manifest.damaged:
+            logger.warning("incremental save: base %s has %s; saving in full", base,
+                           "no manifest" if manifest is None else "a damaged manifest")
+            return None
+        digests: Dict[Tuple[str, int], str] = {}
+        records = sorted(p for p in base.iterdir() if p.name.endswith(CONTENT_SUFFIX))
+        if not records:
+            logger.warning("incremental save: base %s has no content records (it was not saved with content "
+                           "hashes); saving in full", base)
+            return None
+        for record in records:
+            try:
+                raw = record.read_bytes()
+                verify_bytes(base, record.name, 0, raw, what="the content record")
+                content = json.loads(raw)
+                if (content.get("format"), content.get("version"), content.get("hash")) != (
+                        CONTENT_FORMAT, CONTENT_VERSION, CONTENT_HASH):
+                    raise ValueError(f"unknown format {content.get('format')!r} {content.get('version')!r}")
+                for file, offset, _fqn, _chunk, digest in content["items"]:
+                    digests[(str(file), int(offset))] = str(digest)
+            except (OSError, ValueError, KeyError, TypeError, CheckpointingException) as e:
+                logger.warning("incremental save: base %s: %s does not verify (%s); saving in full", base,
+                               record.name, e)
+                return None
+        items: Dict[Tuple[str, Tuple[int, ...]], BaseItem] = {}
+        for index, info in metadata.storage_data.items():
+            md = metadata.state_dict_metadata.get(index.fqn)
+            digest = digests.get((info.relative_path, info.offset))
+            entry = manifest.entries.get((info.relative_path, info.offset))
+            if not isinstance(md, TensorStorageMetadata) or digest is None or entry is None:
+                continue
+            if entry.length != info.length:
+                continue
+            items[(index.fqn, tuple(index.offset or ()))] = BaseItem(info, entry, digest, tuple(md.size),
+                                                                    md.properties.dtype)
+        stamps: Dict[str, Tuple[int, int, int]] = {}
+        for name in {item.info.relative_path for item in items.values()}:
+            try:
+                st = os.stat(base / name)
+            except OSError:
+                continue  # gone already: its items are written in full
+            stamps[name] = (st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(str(base), items, stamps, {name: list(manifest.files.get(name, ())) for name in stamps})
+
+
+@dataclass
+class ReuseStats:
+    """What one rank's incremental save referenced and wrote (``TorchDistSaveShardedStrategy.last_reuse``)."""
+
+    referenced_items: int = 0
+    referenced_bytes: int = 0
+    written_items: int = 0
+    links: int = 0
+    links_unavailable: Optional[str] = None  # why hard links could not be made (items written in full)
+
+
+class Reuse:
+    """The decisions of one write job against its base: ``reference`` links the base's file
+    into the new checkpoint (once per file) and returns the item's result, or None when the item
+    must be written."""
+
+    def __init__(self, base: BaseIndex, checkpoint_dir: Path, descriptors: Sequence[str]) -> None:
+        self.base = base
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.descriptors = tuple(descriptors)
+        self.stats = ReuseStats()
+        self._linked: Dict[str, bool] = {}
+        self._lock = threading.Lock()
+
+    def reference(self, item: WriteItem, digest: str, recorder: Recorder, content: ContentLog
+                  ) -> Optional[WriteResult]:
+        data = item.tensor_data
+        found = self.base.items.get((item.index.fqn, tuple(item.index.offset or ())))
+        if (data is None or found is None or found.digest != digest or found.size != tuple(data.size)
+                or found.dtype != data.properties.dtype
+                or tuple(found.info.transform_descriptors or ()) != self.descriptors):
+            self.stats.written_items += 1
+            return None
+        name = found.info.relative_path
+        if not self._link(name, recorder):
+            self.stats.written_items += 1
+            return None
+        content.add(name, found.info.offset, item.index, digest)
+        self.stats.referenced_items += 1
+        self.stats.referenced_bytes += found.info.length
+        return WriteResult(index=item.index, size_in_bytes=found.info.length,
+                           storage_data=_StorageInfo(name, found.info.offset, found.info.length,
+                                                     transform_descriptors=found.info.transform_descriptors))
+
+    def _link(self, name: str, recorder: Recorder) -> bool:
+        """The base's ``name`` linked into the new checkpoint (or already there, the same file),
+        with the manifest entries of all its items."""
+        with self._lock:
+            if name in self._linked:
+                return self._linked[name]
+            self._linked[name] = ok = self._make_link(name)
+            if ok:
+                for entry in self.base.file_entries.get(name, ()):
+                    recorder.add_entry(entry)
+            return ok
+
+    def _make_link(self, name: str) -> bool:
+        if self.stats.links_unavailable is not None:
+            return False
+        stamp = self.base.stamps.get(name)
+        source, target = Path(self.base.directory) / name, self.checkpoint_dir / name
+        if stamp is None:
+            return False
+        try:
+            os.link(source, target)
+        except FileExistsError:  # another rank of this save linked it: the same file?
+            pass
+        except FileNotFoundError:  # the base was deleted meanwhile: write these items
+            logger.info("incremental save: %s is gone from the base; its items are written in full", source)
+            return False
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EACCES):
+                self.stats.links_unavailable = f"{type(e).__name__}: {e}"
+                logger.warning("incremental save: cannot hard-link the base's files into %s (%s); unchanged items "
+                               "are written in full", self.checkpoint_dir, e)
+                return False
+            raise
+        st = os.stat(target)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != stamp:  # not the file the base index was read from
+            logger.warning("incremental save: %s changed since the base's index was read; its items are written "
+                           "in full", source)
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()  # referenced by nothing of this save
+            return False
+        self.stats.links += 1
+        return True
