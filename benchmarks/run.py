@@ -335,6 +335,63 @@ def _zstd_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> T
     return times
 
 
+INCREMENTAL_FRACTIONS = (0.001, 0.01, 0.1, 1.0)
+
+
+def lora_like_state(size_mib: int, rank: int, world: int) -> Dict[str, tuple]:
+    """``size_mib`` over all ranks in tensors of 1 MiB (fp32), split by rows: the first ones stand
+    for adapters and their optimizer state (what a fine-tuning step changes), the rest for the
+    frozen base; ``_incremental_job`` changes the first tensors up to a fraction of the bytes."""
+    gen = torch.Generator().manual_seed(rank)
+    return {f"t{i:05d}": (torch.randn(512 // world, 512, generator=gen), 0) for i in range(size_mib)}
+
+
+def _incremental_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Times:
+    """A full save against incremental saves (base: the previous save, with content hashes)
+    where 0.1%, 1%, 10% and 100% of the bytes changed: seconds, and the bytes written (data
+    files not linked from the base) over the changed bytes."""
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    state = lora_like_state(size_mib, rank, world)
+    keys = list(state)
+    times: Times = {}
+    for r in range(repeat + 1):  # round 0: warm-up, discarded
+        base = Path(root) / f"incr-base-{r}"
+        dist_ckpt.save(_sharded(state, rank, world), base,
+                       sharded_strategy=TorchDistSaveShardedStrategy(content_hashes=True))
+        d = Path(root) / f"incr-full-{r}"
+        t_full = _timed(lambda: dist_ckpt.save(_sharded(state, rank, world), d))
+        if r > 0:
+            _add(times, "dist_ckpt", "incr_full_save", t_full)
+        dist.barrier()
+        if rank == 0:
+            _remove(d)
+        for fraction in INCREMENTAL_FRACTIONS:
+            count = max(1, round(len(keys) * fraction))
+            changed = dict(state)
+            for key in keys[:count]:
+                tensor = state[key][0].clone()
+                tensor.view(-1)[0] += 1.0
+                changed[key] = (tensor, 0)
+            d = Path(root) / f"incr-{fraction}-{r}"
+            strategy = TorchDistSaveShardedStrategy(incremental_base=base)
+            t_incr = _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d, sharded_strategy=strategy))
+            written = sum(f.stat().st_size for f in d.glob("*.distcp") if f.stat().st_nlink == 1)
+            changed_bytes = count * 2**20
+            if r > 0:
+                label = f"incr_{fraction * 100:g}pct"
+                _add(times, "dist_ckpt", f"{label}_save", t_incr)
+                _add(times, "dist_ckpt", f"{label}_written_ratio", written / changed_bytes)
+            dist.barrier()
+            if rank == 0:
+                _remove(d)
+            dist.barrier()
+        if rank == 0:
+            _remove(base)
+        dist.barrier()
+    return times
+
+
 def _update(times: Times, more: Times) -> None:
     for tool, phases in more.items():
         times.setdefault(tool, {}).update(phases)
@@ -994,6 +1051,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 _update(results, _merge(run_distributed(_small_job, world, str(root), [1000], args.repeat,
                                                         f"_{world}ranks")))
                 _update(results, _merge(run_distributed(_scaling_floor_job, world, args.repeat, f"_{world}ranks")))
+        if "incremental" in parts:
+            _update(results, _merge(run_distributed(_incremental_job, WORLD, str(root), args.size_mib, args.repeat)))
         if "zstd" in parts:
             _update(results, _merge(run_distributed(_zstd_job, WORLD, str(root), args.size_mib, args.repeat)))
         if "local" in parts:
