@@ -69,7 +69,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -346,44 +346,54 @@ def lora_like_state(size_mib: int, rank: int, world: int) -> Dict[str, tuple]:
     return {f"t{i:05d}": (torch.randn(512 // world, 512, generator=gen), 0) for i in range(size_mib)}
 
 
-def _incremental_job(rank: int, world: int, root: str, size_mib: int, repeat: int) -> Times:
-    """A full save against incremental saves (base: the previous save, with content hashes)
-    where 0.1%, 1%, 10% and 100% of the bytes changed: seconds, and the bytes written (data
-    files not linked from the base) over the changed bytes."""
+def _incremental_job(rank: int, world: int, root: str, size_mib: int, repeat: int,
+                     fractions: Sequence[float] = INCREMENTAL_FRACTIONS) -> Times:
+    """Incremental saves (base: a save with content hashes) where 0.1%, 1%, 10% and 100% of the
+    bytes changed, each paired with a full save of the same state, the two in turns (on this VM
+    whichever save follows the other is slower): seconds, the pair's ratio, and the bytes written
+    (data files not linked from the base) over the changed bytes."""
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
     state = lora_like_state(size_mib, rank, world)
     keys = list(state)
     times: Times = {}
+    # as a training run's saves (CheckpointManager): one strategy each, its plan reused
+    full = TorchDistSaveShardedStrategy(cached_metadata=True)
+    incremental = TorchDistSaveShardedStrategy(content_hashes=True, cached_metadata=True)
     for r in range(repeat + 1):  # round 0: warm-up, discarded
         base = Path(root) / f"incr-base-{r}"
-        dist_ckpt.save(_sharded(state, rank, world), base,
-                       sharded_strategy=TorchDistSaveShardedStrategy(content_hashes=True))
-        d = Path(root) / f"incr-full-{r}"
-        t_full = _timed(lambda: dist_ckpt.save(_sharded(state, rank, world), d))
-        if r > 0:
-            _add(times, "dist_ckpt", "incr_full_save", t_full)
-        dist.barrier()
-        if rank == 0:
-            _remove(d)
-        for fraction in INCREMENTAL_FRACTIONS:
+        incremental.incremental_base = None
+        dist_ckpt.save(_sharded(state, rank, world), base, sharded_strategy=incremental)
+        for fraction in fractions:
             count = max(1, round(len(keys) * fraction))
             changed = dict(state)
             for key in keys[:count]:
                 tensor = state[key][0].clone()
                 tensor.view(-1)[0] += 1.0
                 changed[key] = (tensor, 0)
-            d = Path(root) / f"incr-{fraction}-{r}"
-            strategy = TorchDistSaveShardedStrategy(incremental_base=base)
-            t_incr = _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d, sharded_strategy=strategy))
+            d_full, d = Path(root) / f"incr-full-{fraction}-{r}", Path(root) / f"incr-{fraction}-{r}"
+            incremental.incremental_base = base
+
+            def save_full() -> float:
+                return _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d_full, sharded_strategy=full))
+
+            def save_incremental() -> float:
+                return _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d, sharded_strategy=incremental))
+
+            if r % 2:  # each goes first in half of the rounds: on this VM a save is slower right after another
+                t_incr, t_full = save_incremental(), save_full()
+            else:
+                t_full, t_incr = save_full(), save_incremental()
             written = sum(f.stat().st_size for f in d.glob("*.distcp") if f.stat().st_nlink == 1)
-            changed_bytes = count * 2**20
             if r > 0:
                 label = f"incr_{fraction * 100:g}pct"
+                _add(times, "dist_ckpt", f"{label}_full_save", t_full)
                 _add(times, "dist_ckpt", f"{label}_save", t_incr)
-                _add(times, "dist_ckpt", f"{label}_written_ratio", written / changed_bytes)
+                _add(times, "dist_ckpt", f"{label}_vs_full_ratio", t_incr / t_full)
+                _add(times, "dist_ckpt", f"{label}_written_ratio", written / (count * 2**20))
             dist.barrier()
             if rank == 0:
+                _remove(d_full)
                 _remove(d)
             dist.barrier()
         if rank == 0:
@@ -1026,6 +1036,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--local-ranks", default="2,4", help="rank counts of the local-tier comparison")
     parser.add_argument("--scaling-ranks", default="2,4,8",
                         help="rank counts for 1,000 small tensors per rank (how load and save grow with ranks)")
+    parser.add_argument("--incremental-pct", default=",".join(f"{f * 100:g}" for f in INCREMENTAL_FRACTIONS),
+                        help="the percentages of changed bytes of the incremental part, in this order")
     parser.add_argument("--async-writer", default="process", choices=["process", "thread"])
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--write-docs", dest="write_docs", action="store_true",
@@ -1052,7 +1064,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                         f"_{world}ranks")))
                 _update(results, _merge(run_distributed(_scaling_floor_job, world, args.repeat, f"_{world}ranks")))
         if "incremental" in parts:
-            _update(results, _merge(run_distributed(_incremental_job, WORLD, str(root), args.size_mib, args.repeat)))
+            fractions = [float(f) / 100 for f in args.incremental_pct.split(",")]
+            _update(results, _merge(run_distributed(_incremental_job, WORLD, str(root), args.size_mib, args.repeat,
+                                                    fractions)))
         if "zstd" in parts:
             _update(results, _merge(run_distributed(_zstd_job, WORLD, str(root), args.size_mib, args.repeat)))
         if "local" in parts:

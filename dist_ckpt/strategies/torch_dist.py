@@ -174,8 +174,8 @@ def _base_index(base: Path) -> Optional[BaseIndex]:
 def incremental_strategy(given: Any) -> "TorchDistSaveShardedStrategy":
     """The strategy of an incremental ``CheckpointManager``: ``given`` (None: a new one) with
     content hashes on; anything but dist_ckpt's own ``torch_dist`` writer is refused."""
-    if given is None:
-        return TorchDistSaveShardedStrategy(content_hashes=True)
+    if given is None:  # a run's saves keep their structure: the plan is reused (any change plans anew)
+        return TorchDistSaveShardedStrategy(content_hashes=True, cached_metadata=True)
     if (isinstance(given, TorchDistSaveShardedStrategy) and given.storage_writer_factory is None
             and given.planner is None):
         given.content_hashes = True

@@ -123,7 +123,7 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
                     tensor = tensor.contiguous()  # one item's copy at a time, never the whole storage
                 del data  # one tensor alive at a time (streamed saves depend on it)
                 if content is not None:
-                    content_hash = content_digest(tensor, zip_crc32)
+                    content_hash = content_digest(tensor)
                     referenced = reuse.reference(item, content_hash, recorder, content) if reuse else None
                     if referenced is not None:
                         results.append(referenced)

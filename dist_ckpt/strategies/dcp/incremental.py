@@ -9,8 +9,8 @@ deleter has to know which checkpoints depend on which. The files keep their name
 that know nothing of this (torch's ``FileSystemReader``, Megatron-Core) read them as any other
 data file.
 
-The decision: each tensor item's ``torch.save`` record (which holds its dtype, shape and bytes)
-is hashed with xxh3-128 before it would be written (``content_digest``); an item is referenced
+The decision: each tensor item's dtype, shape and bytes are hashed with xxh3-128 before it
+would be written (``content_digest``); an item is referenced
 when the base stored an item at the same key and chunk offset, with the same global size,
 dtype, stream transforms and 128-bit digest (``ContentLog`` records them in each save's
 ``__<rank>_..._content.json``, covered by the manifest). Everything else is written as usual.
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ...core import CheckpointingException
 from ...integrity.manifest import ManifestEntry, Recorder, load_manifest, verify_bytes
 from ...runtime.durable import atomic_write_bytes
-from .record import write_tensor_record
+from .record import tensor_bytes
 
 __all__ = ["CONTENT_SUFFIX", "content_digest", "ContentLog", "BaseIndex", "Reuse", "ReuseStats"]
 
@@ -57,11 +57,13 @@ CONTENT_VERSION = 1
 CONTENT_HASH = "xxh3_128"
 
 
-def content_digest(tensor: torch.Tensor, zip_crc32: bool) -> str:
-    """The xxh3-128 hex digest of the record ``write_dcp_file`` writes for ``tensor`` (before
-    any stream transform): equal digests mean equal dtype, shape and bytes."""
-    hasher = xxhash.xxh3_128()
-    write_tensor_record(hasher.update, tensor, zip_crc32=zip_crc32)
+def content_digest(tensor: torch.Tensor) -> str:
+    """The xxh3-128 hex digest of ``tensor``'s dtype, shape and bytes (contiguous, host memory):
+    equal digests mean records that load as the same tensor, whatever the zip CRC setting of
+    the save that wrote them."""
+    hasher = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    if tensor.numel():
+        hasher.update(tensor_bytes(tensor))
     return hasher.hexdigest()
 
 
