@@ -247,3 +247,39 @@ def test_a_save_that_fails_after_linking_leaves_the_base_and_nothing_else(tmp_pa
     assert all(f.stat().st_nlink == 1 for f in (tmp_path / "base").glob("*.distcp"))  # the links went with it
     loaded = _load_whole(tmp_path / "base", _state(0, 1))
     assert all(torch.equal(loaded[k], v) for k, v in _state(0, 1).items())
+
+
+def _killed_before_commit(rank: int, world: int, root: str) -> None:
+    """An incremental save whose process is killed after every data file and content record
+    was written and the base's files linked, before ``.metadata`` and the commit."""
+    import signal
+
+    from dist_ckpt.strategies import torch_dist
+
+    def killed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch_dist.write_dcp_metadata = killed
+    dist_ckpt.save(_sharded(_state(0, 1, ("lora.0",), 1), 0, 1), f"{root}/next",
+                   sharded_strategy=TorchDistSaveShardedStrategy(incremental_base=f"{root}/base"))
+
+
+def test_a_killed_incremental_save_is_cleaned_without_touching_its_base(tmp_path):
+    from dist_ckpt.runtime.launch import RankFailedError
+    from dist_ckpt.storage.clean import clean
+
+    dist_ckpt.save(_sharded(_state(0, 1), 0, 1), tmp_path / "base",
+                   sharded_strategy=TorchDistSaveShardedStrategy(content_hashes=True))
+    before = {f.name: f.read_bytes() for f in (tmp_path / "base").iterdir()}
+    with pytest.raises(RankFailedError):
+        run_distributed(_killed_before_commit, 1, str(tmp_path))
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "base"]
+    staged = [p for p in leftovers if p.is_dir()]
+    assert staged and any(f.name.endswith("_content.json") for f in staged[0].iterdir())
+    assert any(f.stat().st_nlink == 2 for f in (tmp_path / "base").glob("*.distcp"))  # linked into the leftover
+    removed = clean(tmp_path / "next")  # `dist-ckpt clean`: nothing of the leftover is taken for another tool's
+    assert removed and sorted(p.name for p in tmp_path.iterdir()) == ["base"]
+    assert {f.name: f.read_bytes() for f in (tmp_path / "base").iterdir()} == before
+    assert all(f.stat().st_nlink == 1 for f in (tmp_path / "base").glob("*.distcp"))
+    loaded = _load_whole(tmp_path / "base", _state(0, 1))
+    assert all(torch.equal(loaded[k], v) for k, v in _state(0, 1).items())

@@ -33,8 +33,9 @@ __all__ = [
 ]
 
 _CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME}
-# DCP data, our atomic-write temporaries (``runtime.durable.TEMPORARY_MARK``; ``.tmp-<pid>`` of old versions)
-_CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|\..+\.tmp-\d+|\..+\.dist_ckpt-tmp-.+-\d+)$")
+# DCP data, incremental saves' content records (``strategies.dcp.incremental``), our atomic-write
+# temporaries (``runtime.durable.TEMPORARY_MARK``; ``.tmp-<pid>`` of old versions)
+_CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|__\d+_.+_content\.json|\..+\.tmp-\d+|\..+\.dist_ckpt-tmp-.+-\d+)$")
 _ARRAY_OR_OBJECT_FILE_RE = re.compile(r"^(\.zarray|\.zattrs|\.zgroup|\d+(\.\d+)*|shard_[\d.]*_[\d.-]*\.pt)$")
 
 

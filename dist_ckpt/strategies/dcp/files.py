@@ -2,11 +2,11 @@
 them back with every offset, size, name and checksum checked.
 
 Why not DCP's ``FileSystemWriter``: it cannot hash each item as it is written, and its writer
-keeps every tensor of a file alive until the file closes. DCP's stream transforms (compression,
-user transforms) are applied the same way as torch applies them (``transformed_stream``). The bytes written are the same: each
+keeps every tensor of a file alive until the file closes. The bytes written are the same: each
 item is a standalone ``torch.save`` blob (bytes items verbatim) at the offset and length the
-pickled ``Metadata`` records (written by ``record`` without torch.save's copies), one
-fsync per file. Reading keeps DCP's ``FileSystemReader`` for
+pickled ``Metadata`` records (written by ``record`` without torch.save's copies), one fsync per
+file; DCP's stream transforms (compression, a user's own) are applied as torch applies them
+(``transformed_stream``). Reading keeps DCP's ``FileSystemReader`` for
 its stream transforms but replaces unpickling and item reads with checked versions.
 """
 
