@@ -62,7 +62,6 @@ from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with 
 from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import SaveShardedStrategy
-from .strategies.torch_dist import incremental_strategy
 from .tensor_aware_state_dict import StateMismatchError
 
 logger = logging.getLogger(__name__)
@@ -182,7 +181,11 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.async_save = async_save
-        self.sharded_strategy = incremental_strategy(sharded_strategy) if incremental else sharded_strategy
+        if incremental:  # imported here: `import dist_ckpt` loads no backend (Megatron-Core's package does not)
+            from .strategies.torch_dist import incremental_strategy
+
+            sharded_strategy = incremental_strategy(sharded_strategy)
+        self.sharded_strategy = sharded_strategy
         self.incremental = incremental
         self.on_error = on_error
         self.max_pending = max_pending
