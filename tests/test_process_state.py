@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -405,3 +406,93 @@ def test_every_error_survives_a_pickle_round_trip_unchanged():
         assert str(travelled) == str(error), cls.__name__
         assert travelled.args == error.args, cls.__name__
         assert vars(travelled) == vars(error), cls.__name__
+
+
+def _freed_without_collection(run: Callable[[Dict[str, Any]], Any]) -> List[str]:
+    """The names of the tensors of a state that are still alive after ``run(state)`` returned and
+    the caller dropped the state, with cyclic collection off: what a reference cycle made by the
+    save or load keeps in memory until the next collection (a model's worth, at the end of a run)."""
+    memory = {f"t{i}": np.full((256,), float(i), dtype=np.float32) for i in range(4)}
+    state = {key: ShardedTensor.from_rank_offsets(key, torch.from_numpy(array)) for key, array in memory.items()}
+    # the arrays own the tensors' memory: alive while any view of any of the tensors is
+    alive = {key: weakref.ref(array) for key, array in memory.items()}
+    del memory
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        result = run(state)
+        del state, result
+        return sorted(key for key, ref in alive.items() if ref() is not None)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "incremental", "incremental async"])
+def test_a_save_keeps_no_tensor_alive_after_it_returns(tmp_path, how):
+    """A finalize function that closes over its own request (request -> finalize function ->
+    request) kept every tensor of the save, and an incremental save's base index, alive until
+    Python's next cyclic collection; dropping those cycles also spares each save's caller that
+    collection (0.2 s in a 1 GiB incremental save on 2 ranks)."""
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy(content_hashes=True)
+    dist_ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}, str(tmp_path / "base"),
+                   sharded_strategy=strategy)
+    if how.startswith("incremental"):
+        strategy.incremental_base = tmp_path / "base"
+
+    def save(state: Dict[str, Any]) -> None:
+        request = dist_ckpt.save(state, str(tmp_path / "ckpt"), sharded_strategy=strategy,
+                                 async_sharded_save=how.endswith("async"))
+        if request is not None:
+            request.execute_sync()
+
+    assert _freed_without_collection(save) == []
+    if how.startswith("incremental"):
+        assert strategy.last_reuse is not None and strategy.last_reuse.written_items == 4
+
+
+def test_a_load_keeps_no_tensor_alive_after_it_returns(tmp_path):
+    dist_ckpt.save({f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256,), float(i))) for i in range(4)},
+                   str(tmp_path / "ckpt"))
+    assert _freed_without_collection(lambda state: dist_ckpt.load(state, str(tmp_path / "ckpt"))) == []
+
+
+@pytest.mark.parametrize("staging", ["thread", "process"])
+def test_handing_a_job_to_the_writer_process_leaves_no_cyclic_garbage(tmp_path, staging):
+    """The job's pickler held itself (its tensor reducer was its own bound method), so each
+    save handed to the writer process left the pickler, its memo and every tensor storage it
+    reduced to the cyclic collector. ``staging="thread"``: copies in private memory, which
+    torch's reducer sends as file descriptors."""
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy(async_writer=staging)
+    queue = dist_ckpt.AsyncCallsQueue(persistent=True)
+    try:
+        for round_ in range(2):  # the first starts the writer process
+            was_enabled = gc.isenabled()
+            gc.collect()
+            gc.disable()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            try:
+                state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256,), float(i)))
+                         for i in range(4)}
+                request = dist_ckpt.save(state, str(tmp_path / f"ckpt{round_}"), sharded_strategy=strategy,
+                                         async_sharded_save=True)
+                queue.schedule_async_request(request)
+                queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+                del request, state
+                gc.collect()
+                left = sorted({type(o).__qualname__ for o in gc.garbage
+                               if type(o).__module__.startswith("dist_ckpt")
+                               or isinstance(o, (torch.Tensor, torch.TypedStorage, torch.UntypedStorage))})
+            finally:
+                gc.set_debug(0)
+                gc.garbage.clear()
+                if was_enabled:
+                    gc.enable()
+            assert left == [], f"round {round_}: cyclic garbage {left}"
+    finally:
+        queue.close()

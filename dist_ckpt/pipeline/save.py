@@ -330,8 +330,10 @@ def _commit_when_finalized(pending: AsyncRequest, staging: Staging, config: Chec
     if staging.remote is not None and pending.async_fn is not None:
         pending.async_fn = WriteThenUpload(pending.async_fn, staging.remote)
 
+    written = pending.result_reader()
+
     def finalize() -> None:
-        uploaded = written_files(pending.async_result) if uploads_in_background else ()
+        uploaded = written_files(written()) if uploads_in_background else ()
         commit(staging, config, dist, uploaded)
 
     pending.add_finalize_fn(finalize)

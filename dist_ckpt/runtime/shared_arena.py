@@ -14,13 +14,14 @@ Anything that is not a view into a live arena pickles as before (torch's reducti
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import pickle
 import threading
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Dict, Iterable, List, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Set, Tuple
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers torch's reductions with ForkingPickler
@@ -76,26 +77,31 @@ class JobPickler(ForkingPickler):
     def __init__(self, file: Any, known: Set[int]) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.known = known
-        self._reduce_other = self.dispatch_table[torch.Tensor]  # torch's (torch.multiprocessing)
-        self.dispatch_table[torch.Tensor] = self._reduce_tensor
-
-    def _reduce_tensor(self, tensor: torch.Tensor) -> Any:
-        arena = None
-        if is_host_memory(tensor) and not tensor.requires_grad:
-            with _live_lock:
-                arena = _live.get(tensor.untyped_storage().data_ptr())
-        if arena is None:
-            return self._reduce_other(tensor)
-        storage = None if arena.id in self.known else arena.storage
-        self.known.add(arena.id)
-        return _arena_view, (arena.id, storage, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
-                             tuple(tensor.stride()))
+        # not a bound method of this pickler: the pickler would hold itself (a reference cycle),
+        # and with it its memo, every storage it reduced, until Python's next cyclic collection
+        self.dispatch_table[torch.Tensor] = functools.partial(_reduce_tensor, known,
+                                                              self.dispatch_table[torch.Tensor])
 
     @classmethod
     def dumps_job(cls, obj: Any, known: Set[int]) -> bytes:
         buffer = io.BytesIO()
         cls(buffer, known).dump(obj)
         return buffer.getvalue()
+
+
+def _reduce_tensor(known: Set[int], reduce_other: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Any:
+    """A view into a live arena as (arena id, dtype, offset, size, stride), its storage only the
+    first time (``known``); any other tensor by torch's reducer (``reduce_other``)."""
+    arena = None
+    if is_host_memory(tensor) and not tensor.requires_grad:
+        with _live_lock:
+            arena = _live.get(tensor.untyped_storage().data_ptr())
+    if arena is None:
+        return reduce_other(tensor)
+    storage = None if arena.id in known else arena.storage
+    known.add(arena.id)
+    return _arena_view, (arena.id, storage, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+                         tuple(tensor.stride()))
 
 
 _received: Dict[int, Any] = {}  # in the writer process: the arena storages it was sent, by id

@@ -34,6 +34,7 @@ import queue as queue_module
 import signal
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -102,6 +103,23 @@ class AsyncRequest:
         if self.is_frozen:
             raise CheckpointingException("Cannot add finalize functions to a frozen AsyncRequest")
         self.finalize_fns.append(fn)
+
+    def result_reader(self) -> Callable[[], Any]:
+        """``async_result`` read through a weak reference, for this request's own finalize
+        functions: one that closed over the request would make a reference cycle (request ->
+        its finalize functions -> request) keeping all the request holds (the save's tensors,
+        an incremental save's base index) alive after the save until Python's next cyclic
+        collection, which then costs the caller that happens to trigger it (0.2 s in a 1 GiB
+        save on 2 ranks)."""
+        request = weakref.ref(self)
+
+        def read() -> Any:
+            alive = request()
+            if alive is None:
+                raise CheckpointingException("the AsyncRequest whose result is read is gone")
+            return alive.async_result
+
+        return read
 
     def add_cleanup_fn(self, fn: Callable[[], None]) -> None:
         """``fn`` runs (on every rank) if the write or the finalization fails."""

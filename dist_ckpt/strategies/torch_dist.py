@@ -313,11 +313,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         request = AsyncRequest(job, (), [])
         for lease in staged.leases:
             request.add_cleanup_fn(lease.release)
+        written = request.result_reader()
 
         def finish_metadata() -> None:
             for lease in staged.leases:
                 lease.release()  # the write has ended: a later save may stage into these buffers
-            write_results, entries, reuse = request.async_result
+            write_results, entries, reuse = written()
             self.last_reuse = _added(staged.direct_reuse, reuse)
             write_results, entries = write_results + staged.direct_results, entries + staged.direct_entries
             for e in entries:
