@@ -17,6 +17,7 @@ from dist_ckpt.core import CheckpointingException
 from dist_ckpt.runtime.devices import DeviceCopies
 from dist_ckpt.runtime.in_flight import AfterCopies, CopiesInFlight, OrderedHandOff
 from dist_ckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from dist_ckpt.strategies.dcp import staging
 from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
 
@@ -35,11 +36,14 @@ class Gate:
         self.error = error
         self._open.set()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: float | None = None) -> bool:
         self.waited_on.append(threading.current_thread().name)
-        assert self._open.wait(60), "the gate was never opened"
+        if not self._open.wait(60 if timeout_s is None else timeout_s):
+            assert timeout_s is not None, "the gate was never opened"
+            return False
         if self.error is not None:
             raise self.error
+        return True
 
 
 def append_line(path: str, line: str) -> str:
@@ -171,3 +175,72 @@ def test_an_after_copies_job_waits_in_a_synchronous_call_too(tmp_path):
     gate.open()
     assert AfterCopies([gate], append_line)(str(Path(tmp_path) / "f"), "s") == "s"
     assert gate.waited_on == [threading.current_thread().name]
+
+
+def test_a_stalled_device_fails_the_save_and_close_does_not_hang(tmp_path):
+    """Copies that never finish (a hung device) must not hang the training process for ever: the
+    write's timeout fails the save on time, and closing the queue gives up on the hand-off
+    thread (stuck in the device wait) after its own timeout instead of joining it for ever."""
+    out = tmp_path / "written"
+    gate = Gate()  # never opened while the test waits
+    queue = AsyncCallsQueue(persistent=True, timeout_s=2.0)
+    try:
+        queue.schedule_async_request(AsyncRequest(AfterCopies([gate], append_line), (str(out), "x"), []))
+        assert _wait_for(lambda: gate.waited_on)
+        started = time.monotonic()
+        with pytest.raises(CheckpointingException, match=r"the device-to-host copies of the save did not finish within 2 s \(timeout_s\): the device may be hung"):
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        queue.close()
+        assert time.monotonic() - started < 30
+        assert not out.exists()
+    finally:
+        gate.open()
+
+
+def test_a_thread_write_on_a_stalled_device_fails_and_its_buffers_are_never_reused(tmp_path, monkeypatch):
+    """The thread writer's timeout fails the save; the failed save's cleanup releases its
+    staging set after a bounded wait instead of waiting for the device for ever, and sets the
+    buffers aside: a copy may still write into them, so the next save stages into new ones."""
+    monkeypatch.setattr(staging, "STUCK_COPIES_WAIT_S", 0.5)
+    out = tmp_path / "written"
+    pool = StagingBuffers()
+    lease = pool.stage([torch.arange(10.0)])
+    stuck = lease.buffers[0]
+    gate = Gate()  # never opened while the test waits
+    lease._set.in_flight = gate  # as a GPU save's lease is
+    request = AsyncRequest(AfterCopies([gate], lambda: append_line(str(out), "x")), (), [])
+    request.add_cleanup_fn(lease.release)
+    queue = AsyncCallsQueue(persistent=False, timeout_s=2.0)
+    try:
+        queue.schedule_async_request(request)
+        started = time.monotonic()
+        with pytest.raises(CheckpointingException, match=r"did not finish within 2 s \(timeout_s\)"):
+            queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert time.monotonic() - started < 30
+        assert lease.released and pool.leased == 0 and not out.exists()
+        again = pool.stage([torch.arange(10.0)])
+        assert again.buffers[0].data_ptr() != stuck.data_ptr()  # not the set a copy may still fill
+        assert pool.held_bytes == 2 * stuck.numel() * stuck.element_size()
+        again.release()
+    finally:
+        gate.open()
+        queue.close()
+
+
+def test_an_abandoned_handoff_returns_what_it_never_put_and_puts_nothing_after():
+    handoff, target = OrderedHandOff("t"), []
+
+    class Target:
+        def put(self, message):
+            target.append(message)
+
+    gate = Gate()
+    handoff.put(Target(), "stuck", gate)
+    handoff.put(Target(), "behind")
+    assert _wait_for(lambda: handoff.waiting_since is not None)
+    assert handoff.abandon() == ["stuck", "behind"]
+    assert handoff.waiting_since is None
+    gate.open()  # the device wakes up after all
+    time.sleep(0.2)
+    assert target == []
+    assert handoff.close(1.0) == []

@@ -14,15 +14,23 @@ process that hands it the job once the copies are done.
 
 Tensors the caller changes on another stream must be ordered after its current stream first, as
 for any other kernel queued on the current stream (torch's rule).
+
+A device that hangs never finishes the copies, and a CUDA wait cannot be interrupted: whoever
+waits for them with a deadline gives up (``CopiesInFlight.wait(timeout_s)``, ``OrderedHandOff``'s
+``waiting_since``/``abandon``) and fails the save; the thread stuck in the wait is left behind,
+never joined, and buffers a copy may still fill are never reused.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, List, Optional, Tuple
 
-__all__ = ["CopiesInFlight", "AfterCopies", "OrderedHandOff", "wait_for_copies"]
+__all__ = ["CopiesInFlight", "AfterCopies", "OrderedHandOff"]
+
+POLL_S = 0.001  # how often a wait with a deadline asks whether the copies finished
 
 
 class CopiesInFlight:
@@ -35,24 +43,29 @@ class CopiesInFlight:
         self._sources: Optional[List[Any]] = sources
         self._lock = threading.Lock()
 
-    def wait(self) -> None:
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        """Whether the copies finished: at once without ``timeout_s``; else False when they had
+        not after ``timeout_s`` seconds (a hung device), and the sources stay referenced."""
         with self._lock:
-            if self._done is not None:
+            if self._done is None:
+                return True
+            if timeout_s is None:
                 self._done.synchronize()
-                self._done = None
-                self._sources = None
+            else:
+                until = time.monotonic() + timeout_s
+                while not self._done.query():
+                    if time.monotonic() >= until:
+                        return False
+                    time.sleep(POLL_S)
+            self._done = None
+            self._sources = None
+            return True
 
     @property
     def finished(self) -> bool:
         """Whether ``wait`` would return at once."""
         with self._lock:
             return self._done is None or bool(self._done.query())
-
-
-def wait_for_copies(in_flight: List[Any]) -> None:
-    """Wait for every one of ``in_flight`` (objects with ``wait()``)."""
-    for copies in in_flight:
-        copies.wait()
 
 
 class AfterCopies:
@@ -66,7 +79,8 @@ class AfterCopies:
         self.job = job
 
     def wait(self) -> None:
-        wait_for_copies(self.in_flight)
+        for copies in self.in_flight:
+            copies.wait()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.wait()
@@ -81,24 +95,42 @@ class OrderedHandOff:
     """Puts messages into queues in the order they were given, each once its copies finished:
     how a writer process gets a job whose buffers device copies are still filling, without the
     training thread waiting. One thread, started at the first message that has to wait; after
-    that every message goes through it, so a later job never overtakes an earlier one."""
+    that every message goes through it, so a later job never overtakes an earlier one.
+
+    ``waiting_since`` says how long the message at the head has waited for its copies; a caller
+    whose deadline passed ``abandon``s the hand-off (the thread, stuck in a device wait, puts
+    nothing more) and takes back what was never put."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._messages: "queue.Queue[Optional[_HandOffItem]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._head: Optional[_HandOffItem] = None  # the message whose copies the thread waits for
+        self._head_since: Optional[float] = None  # since when (time.monotonic)
+        self._abandoned = False
 
     def put(self, target: Any, message: Any, after: Optional[AfterCopies] = None,
             on_error: Callable[[BaseException], None] = lambda e: None) -> None:
         """``target.put(message)`` once ``after``'s copies finished (at once when nothing waits).
         If waiting fails (a device error), ``on_error`` gets the error and nothing is put."""
-        if after is None and self._thread is None:
-            target.put(message)
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        with self._lock:
+            if self._abandoned:
+                raise RuntimeError(f"{self._name}: put after abandon()")
+            if after is None and self._thread is None:
+                target.put(message)
+                return
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
         self._messages.put((target, after, message, on_error))
+
+    @property
+    def waiting_since(self) -> Optional[float]:
+        """When (``time.monotonic``) the thread began waiting for the copies of the message at
+        the head; None when it waits for none."""
+        with self._lock:
+            return self._head_since
 
     def _run(self) -> None:
         while True:
@@ -106,17 +138,50 @@ class OrderedHandOff:
             if item is None:
                 return
             target, after, message, on_error = item
+            with self._lock:
+                if self._abandoned:
+                    return
+                self._head, self._head_since = item, (time.monotonic() if after is not None else None)
+            error: Optional[BaseException] = None
             try:
                 if after is not None:
                     after.wait()
             except BaseException as e:  # noqa: BLE001 - the job's own failure, reported by on_error
-                on_error(e)
-                continue
-            target.put(message)
+                error = e
+            with self._lock:
+                self._head = self._head_since = None
+                if self._abandoned:  # given up on while it waited: its message is the caller's now
+                    return
+                if error is None:
+                    target.put(message)
+            if error is not None:
+                on_error(error)
 
-    def close(self) -> None:
-        """Hand off what was given, then end the thread."""
-        if self._thread is not None:
-            self._messages.put(None)
-            self._thread.join()
-            self._thread = None
+    def abandon(self) -> List[Any]:
+        """Give up on the thread (stuck in a device wait that may never return): it puts
+        nothing more and is left to end with the process. Returns the messages it had not put,
+        in order."""
+        with self._lock:
+            self._abandoned = True
+            left = [] if self._head is None else [self._head[2]]
+            self._head = self._head_since = None
+            while True:
+                try:
+                    item = self._messages.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    left.append(item[2])
+            self._messages.put(None)  # if it ever wakes, it ends
+        return left
+
+    def close(self, timeout_s: Optional[float] = None) -> List[Any]:
+        """Hand off what was given, then end the thread. If it has not ended after ``timeout_s``
+        (copies that do not finish), abandon it; returns the messages not put."""
+        if self._thread is None:
+            return []
+        self._messages.put(None)
+        self._thread.join(timeout_s)
+        left = self.abandon() if self._thread.is_alive() else []
+        self._thread = None
+        return left

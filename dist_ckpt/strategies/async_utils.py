@@ -485,9 +485,27 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._fail_pending(f"the background checkpoint writer (pid {self._process.pid}) did not finish "
                                    f"within {self.timeout_s:.0f} s (timeout_s) and was stopped")
                 break
+            copying = self._handoff.waiting_since
+            if started is None and copying is not None and time.monotonic() - copying >= self.timeout_s:
+                self._give_up_on_copies()
+                break
             if until is not None and time.monotonic() >= until:
                 return False
         return True
+
+    def _give_up_on_copies(self) -> None:
+        """The device-to-host copies of the oldest job in the hand-off have run ``timeout_s``
+        (a hung device): that job and every later one fail; the hand-off thread, stuck in the
+        device wait, is abandoned, and the writer process (idle: the jobs before are finalized,
+        the later ones were never sent) is stopped, so that the next request starts afresh
+        with its own hand-off and a writer that knows no arena of the lost jobs."""
+        self._handoff.abandon()
+        self._handoff = OrderedHandOff("dist_ckpt-writer-handoff")
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._fail_pending(f"the device-to-host copies of the save did not finish within {self.timeout_s:.0f} s "
+                           f"(timeout_s): the device may be hung")
 
     def stop(self, request: AsyncRequest) -> None:
         """Kill the writer process (a write cannot be interrupted otherwise, and it may be the
@@ -505,7 +523,9 @@ class PersistentAsyncCaller(AsyncCaller):
                            f"failed on another rank")
 
     def close(self) -> None:
-        self._handoff.close()
+        if self._handoff.close(self.timeout_s):  # jobs whose copies never finished: never written
+            self._fail_pending(f"the device-to-host copies of the save did not finish within {self.timeout_s:.0f} s "
+                               f"(timeout_s) before the writer was closed")
         if self._process is None:
             return
         if self._process.is_alive():

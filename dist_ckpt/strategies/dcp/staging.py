@@ -30,8 +30,12 @@ stream that first waits for the work the caller had queued (a tensor the step ju
 copies run at the link's speed, back to back, and ``stage`` returns without waiting for them
 (``runtime.in_flight``): the caller's stream waits for them on the device, so the training loop's
 next kernels change the tensors only after they were read, and the writer waits for them
-(``StagingLease.wait_until_copied``) before it reads a buffer. Megatron-Core's and DCP's pinned
+(``runtime.in_flight.AfterCopies``) before it reads a buffer. Megatron-Core's and DCP's pinned
 stagers synchronize before returning instead: the training loop waits for the whole copy.
+
+A device that hangs never finishes the copies: a lease released after its save failed waits for
+them ``STUCK_COPIES_WAIT_S`` at most, then keeps its buffers out of use for good (a copy may still
+write into them) instead of blocking the training loop for ever.
 
 For a writer process the copies are views into one ``SharedArena`` per allocation, which the
 writer maps once and then finds by id (``shared_arena``), instead of one shared-memory block
@@ -40,6 +44,7 @@ per tensor handed over anew at every save.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,7 +57,11 @@ from ...runtime.in_flight import CopiesInFlight
 from ...runtime.shared_arena import SharedArena
 from .chunk_copy import copy_in_this_thread
 
-__all__ = ["StagingBuffers", "StagingLease"]
+__all__ = ["StagingBuffers", "StagingLease", "STUCK_COPIES_WAIT_S"]
+
+logger = logging.getLogger(__name__)
+
+STUCK_COPIES_WAIT_S = 10.0  # a failed save's release waits this long for copies still running
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -91,11 +100,6 @@ class StagingLease:
         The writer waits for them before it reads a buffer."""
         return self._set.in_flight
 
-    def wait_until_copied(self) -> None:
-        """Block until every buffer holds its copy."""
-        if self._set.in_flight is not None:
-            self._set.in_flight.wait()
-
     @property
     def released(self) -> bool:
         return self._pool is None
@@ -105,10 +109,16 @@ class StagingLease:
         before it waited for the copies: they are waited for here, so that a later save never
         stages into buffers a copy still fills."""
         pool, self._pool = self._pool, None
-        if pool is not None:
-            self.wait_until_copied()
-            self._set.in_flight = None
-            pool._give_back(self._set)
+        if pool is None:
+            return
+        in_flight = self._set.in_flight
+        if in_flight is not None and not in_flight.wait(STUCK_COPIES_WAIT_S):
+            logger.error("device-to-host copies into %.1f MiB of staging buffers did not finish within %.0f s (a hung "
+                         "device?): those buffers are never reused", self._set.nbytes / 2**20, STUCK_COPIES_WAIT_S)
+            pool._set_aside(self._set)
+            return
+        self._set.in_flight = None
+        pool._give_back(self._set)
 
 
 class StagingBuffers:
@@ -123,6 +133,7 @@ class StagingBuffers:
         self.budget_bytes = budget_bytes
         self.shared = shared
         self._idle: List[_BufferSet] = []  # released sets, the most recently released last
+        self._set_aside_sets: List[_BufferSet] = []  # sets copies may still fill (a hung device): kept, never reused
         self._leased = 0  # sets owned by saves whose writes have not ended
         self._peak_leased = 0
         self._lock = threading.Lock()
@@ -135,9 +146,10 @@ class StagingBuffers:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of staging copies held now: leased to saves in flight, or kept for the next."""
+        """Bytes of staging copies held now: leased to saves in flight, kept for the next, or set
+        aside (copies of a hung device may still fill them)."""
         with self._lock:
-            return self._leased_bytes + sum(s.nbytes for s in self._idle)
+            return self._leased_bytes + sum(s.nbytes for s in self._idle + self._set_aside_sets)
 
     @property
     def leased(self) -> int:
@@ -195,7 +207,7 @@ class StagingBuffers:
                 copy_in_this_thread(staged_buffer, tensor)
             else:
                 from_device.copy(staged_buffer, tensor)
-        in_flight = from_device.finish_later()  # the writer waits for them (StagingLease.wait_until_copied)
+        in_flight = from_device.finish_later()  # the writer waits for them (in_flight.AfterCopies)
         self.last_copy_seconds = time.perf_counter() - start
         live = {b.untyped_storage().data_ptr() for b in staged if b is not None}
         return _BufferSet(staged, [a for a in arenas if a.storage.data_ptr() in live], in_flight)
@@ -207,6 +219,12 @@ class StagingBuffers:
         arena = SharedArena([(t.shape, t.dtype) for t in likes], pinned=pinned)
         arenas.append(arena)
         return arena.views
+
+    def _set_aside(self, buffer_set: _BufferSet) -> None:
+        with self._lock:
+            self._leased -= 1
+            self._leased_bytes -= buffer_set.nbytes
+            self._set_aside_sets.append(buffer_set)
 
     def _give_back(self, buffer_set: _BufferSet) -> None:
         with self._lock:
