@@ -5,7 +5,8 @@ Save call order (every rank):
      per-rank DCP write items and the global ``Metadata`` (``dcp.plan``) - one
      gather/scatter, failures shared;
   2. the returned ``AsyncRequest`` writes this rank's ``__{rank}_{i}.distcp`` files
-     (``dcp.files``: hashed while written, fsync per file), in the background if scheduled;
+     (``dcp.write_job``, ``dcp.files``: hashed while written, fsync per file), in the background
+     if scheduled;
   3. its finalize step gathers the write results and the coordinator writes ``.metadata``.
 Load reads ``.metadata`` through the safe unpickler (for ranks that share their cores, once on
 the coordinator, which sends each its part: ``index_parts``), plans which chunk regions land in which
@@ -16,7 +17,6 @@ allocated), and reads them with bounds- and checksum-checked file access.
 from __future__ import annotations
 
 import copy
-import io
 import logging
 import os
 import pickle
@@ -34,7 +34,6 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
-    TensorWriteData,
     WriteItem,
     WriteItemType,
 )
@@ -45,7 +44,7 @@ from ..core import (
     ShardingError,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
-from ..integrity.manifest import ManifestEntry, Recorder, hash_bytes, recorder_for, update_manifest
+from ..integrity.manifest import ManifestEntry, hash_bytes, recorder_for, update_manifest
 from ..mapping import (
     ShardedObject,
     ShardedStateDict,
@@ -64,7 +63,7 @@ from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .interfaces import IndexPart
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
-from .dcp.incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
+from .dcp.incremental import ReuseStats
 from .dcp.index_parts import CompactIndex, IndexCutter
 from .dcp.plan import (
     LocalSavePlan,
@@ -77,6 +76,7 @@ from .dcp.plan import (
     stored_global_shape,
     stored_tensor_catalog,
 )
+from .dcp.write_job import DcpWriteJob, ItemSource, base_index, serialize_objects
 from .dcp.protocol_path import ReaderFactory, WriterFactory, load_through_dcp, save_request_through_dcp
 from .dcp.read import READ_THREADS
 from .dcp.staging import StagingBuffers, StagingLease
@@ -88,31 +88,6 @@ __all__ = ["TorchDistSaveShardedStrategy", "TorchDistLoadShardedStrategy", "read
 
 
 # -- save -----------------------------------------------------------------------------------------
-
-
-def _serialize_objects(objects: List[ShardedObject]) -> Dict[str, bytes]:
-    """Each object as the format stores it (``torch.save([obj])``), taken now: an
-    asynchronous save holds the objects' state at the time it was called."""
-    blobs = {}
-    for o in objects:
-        buffer = io.BytesIO()
-        torch.save([o.data], buffer)
-        blobs[o.unique_key] = buffer.getvalue()
-    return blobs
-
-
-class _ItemSource:
-    """The bytes of each write item: a view of this rank's tensor, or an object's blob."""
-
-    def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, bytes]) -> None:
-        self._tensors = tensors
-        self._objects = objects
-
-    def __call__(self, write_item: WriteItem) -> Any:
-        if write_item.type == WriteItemType.BYTE_IO:
-            return io.BytesIO(self._objects[write_item.index.fqn])
-        tensor_data = cast(TensorWriteData, write_item.tensor_data)  # a SHARD item always has it
-        return self._tensors[write_item.index].reshape(tensor_data.chunk.sizes)
 
 
 @dataclass
@@ -128,49 +103,6 @@ class _StagedTensors:
     background_items: List[WriteItem] = field(default_factory=list)  # what the request's write does
 
 
-@dataclass
-class DcpWriteJob:
-    """One rank's data files of a save: picklable, so that it runs in a thread of this process
-    or in the persistent writer process alike. Returns (DCP write results, manifest entries)."""
-
-    checkpoint_dir: Path
-    prefix: str
-    items: List[WriteItem]
-    tensors: Dict[MetadataIndex, torch.Tensor]
-    objects: Dict[str, bytes]
-    thread_count: int = 1
-    zip_crc32: bool = False
-    first_file: int = 0  # file numbers start here (a save may write its files in two parts)
-    extensions: Tuple[Any, ...] = ()  # DCP stream transforms of every item (``write_dcp_file``)
-    content_hashes: bool = False  # record each tensor item's content digest (``dcp.incremental``)
-    base: Optional[BaseIndex] = None  # reference the items equal to this base's instead of writing them
-
-    def __call__(self) -> Tuple[List[Any], List[Any], Optional[ReuseStats]]:
-        """(DCP write results, manifest entries, what was referenced in the base)."""
-        recorder = Recorder()
-        content = ContentLog() if self.content_hashes or self.base is not None else None
-        reuse = None
-        if self.base is not None:
-            reuse = Reuse(self.base, self.checkpoint_dir, [e.get_descriptor() for e in reversed(self.extensions)])
-        results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
-                                  _ItemSource(self.tensors, self.objects), recorder, self.thread_count,
-                                  self.zip_crc32, self.first_file, self.extensions, content, reuse)
-        if content is not None:
-            content.write(self.checkpoint_dir, f"{self.prefix}{self.first_file}{CONTENT_SUFFIX}", recorder)
-        fsync_directory(self.checkpoint_dir)
-        return results, recorder.entries(), None if reuse is None else reuse.stats
-
-
-def _base_index(base: Path) -> Optional[BaseIndex]:
-    """The base of an incremental save, or None (logged: the save writes everything) when it is
-    not a committed ``torch_dist`` checkpoint whose index, manifest and content records verify."""
-    try:
-        return BaseIndex.load(base, read_dcp_metadata(base))
-    except (CheckpointingException, OSError) as e:
-        logger.warning("incremental save: %s cannot serve as the base (%s); saving in full", base, e)
-        return None
-
-
 def incremental_strategy(given: Any) -> "TorchDistSaveShardedStrategy":
     """The strategy of an incremental ``CheckpointManager``: ``given`` (None: a new one) with
     content hashes on; anything but dist_ckpt's own ``torch_dist`` writer is refused."""
@@ -182,15 +114,6 @@ def incremental_strategy(given: Any) -> "TorchDistSaveShardedStrategy":
         return given
     raise CheckpointingException(f"incremental saves need dist_ckpt's torch_dist writer (None, or a "
                                  f"TorchDistSaveShardedStrategy without storage_writer_factory or planner), not {given!r}")
-
-
-def _added(first: Optional[ReuseStats], second: Optional[ReuseStats]) -> Optional[ReuseStats]:
-    """The reuse of a save's two write jobs (what was written at once, and in the background)."""
-    if first is None or second is None:
-        return first or second
-    return ReuseStats(first.referenced_items + second.referenced_items,
-                      first.referenced_bytes + second.referenced_bytes, first.written_items + second.written_items,
-                      first.links + second.links, first.links_unavailable or second.links_unavailable)
 
 
 class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -319,7 +242,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             for lease in staged.leases:
                 lease.release()  # the write has ended: a later save may stage into these buffers
             write_results, entries, reuse = written()
-            self.last_reuse = _added(staged.direct_reuse, reuse)
+            self.last_reuse = ReuseStats.total(staged.direct_reuse, reuse)
             write_results, entries = write_results + staged.direct_results, entries + staged.direct_entries
             for e in entries:
                 recorder.add_entry(e)
@@ -345,7 +268,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             cached = self._cached_plan
             unchanged = cached is not None and cached[0] == fingerprint
             # one all-reduce: the objects serialized on every rank, and every rank's structure the cached one
-            serialized, every_rank_unchanged = dist.all_run_and_vote(lambda: (_serialize_objects(objects), unchanged))
+            serialized, every_rank_unchanged = dist.all_run_and_vote(lambda: (serialize_objects(objects), unchanged))
             if every_rank_unchanged and cached is not None and serialized is not None:
                 _, plan, cached_metadata = cached
                 return plan, copy.copy(cached_metadata) if dist.is_coordinator else None, serialized
@@ -359,7 +282,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return reformulate
 
         def local_step() -> LocalSavePlan:
-            local_blobs.update(serialized if serialized is not None else _serialize_objects(objects))  # may fail
+            local_blobs.update(serialized if serialized is not None else serialize_objects(objects))  # may fail
             local_plan.append(make_local_save_plan(tensors, objects))
             return local_plan[0]
 
@@ -382,7 +305,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return f"__{dist.rank}_", options
         options["content_hashes"] = True
         if self.incremental_base is not None:
-            options["base"] = _base_index(Path(self.incremental_base))
+            options["base"] = base_index(Path(self.incremental_base))
         return f"__{dist.rank}_{uuid.uuid4().hex[:8]}_", options
 
     def _stage(self, dist: DistWrapper, checkpoint_dir: Path, plan: SavePlan, tensors: List[ShardedTensor],
@@ -448,7 +371,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 raise ShardingError(f"save_stream: keys {clash} appear in more than one batch")
             (plan,), batch_metadata = make_global_save_plan([make_local_save_plan(tensors, objects)])
             sources = {item.index: sh.require_data().detach() for item, sh in zip(plan.items, tensors)}
-            source = _ItemSource(sources, _serialize_objects(objects))
+            source = ItemSource(sources, serialize_objects(objects))
             results.extend(write_dcp_files(checkpoint_dir, f"__{i}_", plan.items, source, recorder))
             del sources, source, tensors, leaves
             metadata.state_dict_metadata.update(batch_metadata.state_dict_metadata)

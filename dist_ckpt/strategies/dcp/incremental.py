@@ -99,7 +99,6 @@ class BaseItem(NamedTuple):
     """A stored tensor item of the base checkpoint."""
 
     info: Any  # its _StorageInfo (file, offset, length, transform descriptors)
-    entry: ManifestEntry  # its manifest entry (hash, block hashes)
     digest: str  # xxh3-128 of its record
     size: Tuple[int, ...]  # the global tensor's size
     dtype: torch.dtype
@@ -158,8 +157,7 @@ class BaseIndex:
                 continue
             if entry.length != info.length:
                 continue
-            items[(index.fqn, tuple(index.offset or ()))] = BaseItem(info, entry, digest, tuple(md.size),
-                                                                    md.properties.dtype)
+            items[(index.fqn, tuple(index.offset or ()))] = BaseItem(info, digest, tuple(md.size), md.properties.dtype)
         stamps: Dict[str, Tuple[int, int, int]] = {}
         for name in {item.info.relative_path for item in items.values()}:
             try:
@@ -179,6 +177,16 @@ class ReuseStats:
     written_items: int = 0
     links: int = 0
     links_unavailable: Optional[str] = None  # why hard links could not be made (items written in full)
+
+    @staticmethod
+    def total(first: Optional["ReuseStats"], second: Optional["ReuseStats"]) -> Optional["ReuseStats"]:
+        """The reuse of a save's two write jobs (what was written at once, and in the background)."""
+        if first is None or second is None:
+            return first or second
+        return ReuseStats(first.referenced_items + second.referenced_items,
+                          first.referenced_bytes + second.referenced_bytes,
+                          first.written_items + second.written_items, first.links + second.links,
+                          first.links_unavailable or second.links_unavailable)
 
 
 class Reuse:

@@ -1,0 +1,95 @@
+"""One rank's write of a ``torch_dist`` save, as a job that runs in a thread of the training
+process or in the persistent writer process alike (``DcpWriteJob``: picklable), and what it reads
+from: each write item's bytes (``ItemSource``), the objects serialized when the save was called,
+and the base index of an incremental save."""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ...core import CheckpointingException
+from ...integrity.manifest import Recorder
+from ...mapping import ShardedObject
+from ...runtime.durable import fsync_directory
+from .files import DcpReader, write_dcp_files
+from .incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
+
+__all__ = ["serialize_objects", "ItemSource", "DcpWriteJob", "base_index"]
+
+logger = logging.getLogger(__name__)
+
+
+def serialize_objects(objects: List[ShardedObject]) -> Dict[str, bytes]:
+    """Each object as the format stores it (``torch.save([obj])``), taken now: an
+    asynchronous save holds the objects' state at the time it was called."""
+    blobs = {}
+    for o in objects:
+        buffer = io.BytesIO()
+        torch.save([o.data], buffer)
+        blobs[o.unique_key] = buffer.getvalue()
+    return blobs
+
+
+class ItemSource:
+    """The bytes of each write item: a view of this rank's tensor, or an object's blob."""
+
+    def __init__(self, tensors: Dict[MetadataIndex, torch.Tensor], objects: Dict[str, bytes]) -> None:
+        self._tensors = tensors
+        self._objects = objects
+
+    def __call__(self, write_item: WriteItem) -> Any:
+        if write_item.type == WriteItemType.BYTE_IO:
+            return io.BytesIO(self._objects[write_item.index.fqn])
+        tensor_data = cast(TensorWriteData, write_item.tensor_data)  # a SHARD item always has it
+        return self._tensors[write_item.index].reshape(tensor_data.chunk.sizes)
+
+
+@dataclass
+class DcpWriteJob:
+    """One rank's data files of a save: picklable, so that it runs in a thread of this process
+    or in the persistent writer process alike. Returns (DCP write results, manifest entries)."""
+
+    checkpoint_dir: Path
+    prefix: str
+    items: List[WriteItem]
+    tensors: Dict[MetadataIndex, torch.Tensor]
+    objects: Dict[str, bytes]
+    thread_count: int = 1
+    zip_crc32: bool = False
+    first_file: int = 0  # file numbers start here (a save may write its files in two parts)
+    extensions: Tuple[Any, ...] = ()  # DCP stream transforms of every item (``write_dcp_file``)
+    content_hashes: bool = False  # record each tensor item's content digest (``dcp.incremental``)
+    base: Optional[BaseIndex] = None  # reference the items equal to this base's instead of writing them
+
+    def __call__(self) -> Tuple[List[Any], List[Any], Optional[ReuseStats]]:
+        """(DCP write results, manifest entries, what was referenced in the base)."""
+        recorder = Recorder()
+        content = ContentLog() if self.content_hashes or self.base is not None else None
+        reuse = None
+        if self.base is not None:
+            reuse = Reuse(self.base, self.checkpoint_dir, [e.get_descriptor() for e in reversed(self.extensions)])
+        results = write_dcp_files(self.checkpoint_dir, self.prefix, self.items,
+                                  ItemSource(self.tensors, self.objects), recorder, self.thread_count,
+                                  self.zip_crc32, self.first_file, self.extensions, content, reuse)
+        if content is not None:
+            content.write(self.checkpoint_dir, f"{self.prefix}{self.first_file}{CONTENT_SUFFIX}", recorder)
+        fsync_directory(self.checkpoint_dir)
+        return results, recorder.entries(), None if reuse is None else reuse.stats
+
+
+def base_index(base: Path) -> Optional[BaseIndex]:
+    """The base of an incremental save, or None (logged: the save writes everything) when it is
+    not a committed ``torch_dist`` checkpoint whose index, manifest and content records verify."""
+    try:
+        return BaseIndex.load(base, DcpReader(base).read_metadata())
+    except (CheckpointingException, OSError) as e:
+        logger.warning("incremental save: %s cannot serve as the base (%s); saving in full", base, e)
+        return None
