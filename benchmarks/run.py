@@ -60,6 +60,7 @@ is where speed is measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -254,8 +255,12 @@ def _megatron() -> Any:
 
 
 def _timed(fn: Callable[[], None], memory: Optional[List[float]] = None) -> float:
+    """Seconds of ``fn`` on every rank (from a barrier to a barrier); with ``memory``, its peak
+    extra memory is appended there. Memory is sampled only when asked: the sampling thread
+    wakes every millisecond and takes the GIL from a save's Python work (an incremental save
+    of 1,024 tensors took 0.42 s with it against 0.30 s without)."""
     dist.barrier()
-    with PeakRss() as rss:
+    with PeakRss() if memory is not None else contextlib.nullcontext() as rss:
         start = time.perf_counter()
         fn()
         dist.barrier()
@@ -374,11 +379,18 @@ def _incremental_job(rank: int, world: int, root: str, size_mib: int, repeat: in
             d_full, d = Path(root) / f"incr-full-{fraction}-{r}", Path(root) / f"incr-{fraction}-{r}"
             incremental.incremental_base = base
 
+            # the save call alone: a training loop builds its sharded state dict before it calls
+            # save; and each save starts with nothing of an earlier one still being written back
+            # (os.sync), which on this VM otherwise lands in whichever save comes next
             def save_full() -> float:
-                return _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d_full, sharded_strategy=full))
+                sharded = _sharded(changed, rank, world)
+                os.sync()
+                return _timed(lambda: dist_ckpt.save(sharded, d_full, sharded_strategy=full))
 
             def save_incremental() -> float:
-                return _timed(lambda: dist_ckpt.save(_sharded(changed, rank, world), d, sharded_strategy=incremental))
+                sharded = _sharded(changed, rank, world)
+                os.sync()
+                return _timed(lambda: dist_ckpt.save(sharded, d, sharded_strategy=incremental))
 
             if r % 2:  # each goes first in half of the rounds: on this VM a save is slower right after another
                 t_incr, t_full = save_incremental(), save_full()

@@ -283,3 +283,36 @@ def test_a_killed_incremental_save_is_cleaned_without_touching_its_base(tmp_path
     assert all(f.stat().st_nlink == 1 for f in (tmp_path / "base").glob("*.distcp"))
     loaded = _load_whole(tmp_path / "base", _state(0, 1))
     assert all(torch.equal(loaded[k], v) for k, v in _state(0, 1).items())
+
+
+def _manager_with_local_tier_run(rank: int, world: int, root: str) -> dict:
+    """Local parts at the odd steps, persistent incremental saves at the even ones, retention
+    keeping one persistent checkpoint; then a fresh manager on the same roots, as after a
+    restart, loads the last persistent step after its base was deleted."""
+    def manager() -> CheckpointManager:
+        return CheckpointManager(f"{root}/persistent", keep_last=1, incremental=True, async_save=True,
+                                 local_dir=f"{root}/local", local_every=1, persistent_every=2)
+
+    reuse = {}
+    with manager() as first:
+        for step in range(1, 7):
+            first.save(step, _sharded(_state(rank, world, ("lora.0",), step), rank, world))
+            first.wait()
+            if step % 2 == 0:
+                stats = first.sharded_strategy.last_reuse
+                reuse[step] = None if stats is None else (stats.referenced_items, stats.written_items)
+    with manager() as restarted:
+        expected = _state(rank, world, ("lora.0",), 6)
+        loaded = restarted.load(_sharded({k: torch.zeros_like(v) for k, v in expected.items()}, rank, world), step=6)
+        assert all(torch.equal(loaded[k], v.chunk(world)[rank]) for k, v in expected.items())
+    return reuse
+
+
+def test_a_manager_with_a_local_tier_bases_on_the_last_persistent_checkpoint(tmp_path):
+    """The local tier's steps are not checkpoints in the persistent root: an incremental save
+    must take the last persistent one as its base, never a local step, and retention of either
+    tier must not make the persistent checkpoint that links the deleted base unloadable."""
+    results = run_distributed(_manager_with_local_tier_run, 2, str(tmp_path))
+    assert results[0] == {2: None, 4: (7, 1), 6: (7, 1)}, results  # the first persistent save is full
+    assert sorted(p.name for p in (tmp_path / "persistent").glob("iter_*")) == ["iter_0000006"]
+    assert not validate_checkpoint(tmp_path / "persistent" / "iter_0000006").problems

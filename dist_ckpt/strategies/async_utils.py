@@ -552,7 +552,8 @@ class AsyncCallsQueue:
         persistent: True: every write runs in one persistent writer process
             (``PersistentAsyncCaller``); False: in a thread each (``TemporalAsyncCaller``); None
             (default): as each request prefers (a strategy's ``async_writer``).
-        timeout_s: a write still running after this long fails (on every rank).
+        timeout_s: a write still running after this long fails (on every rank); so does a save whose
+            device-to-host copies have not finished after this long (a hung GPU).
     """
 
     def __init__(self, dist_wrapper: Optional[DistWrapper] = None, persistent: Optional[bool] = None,
