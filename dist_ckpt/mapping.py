@@ -38,6 +38,7 @@ __all__ = [
     "apply_factories",
     "apply_factory_merges",
     "missing_object_shard_message",
+    "is_sharded_object_key",
 ]
 
 ReplicaId = Union[int, Tuple[int, ...]]
@@ -374,6 +375,15 @@ class ShardedObject(ShardedBase):
         if len(shape) + 1 == len(offset):
             shape += (-1,)
         return cls(key, None, shape, offset, replica_id)
+
+
+def is_sharded_object_key(unique_key: str) -> bool:
+    """Whether ``unique_key`` has a ShardedObject's form (``key/shard_<offset>_<shape>``)."""
+    try:
+        ShardedObject.empty_from_unique_key(unique_key)
+    except ShardingError:
+        return False
+    return True
 
 
 def missing_object_shard_message(requested: ShardedObject, stored: Sequence[str]) -> str:

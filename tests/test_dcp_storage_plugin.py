@@ -280,3 +280,30 @@ def test_a_save_that_failed_after_staging_does_not_block_the_next_one_from_this_
     dcp.save(_plain_state(3.0), storage_writer=FileSystemWriter(target))  # same thread: the dead save is aborted
     assert tensors_bitwise_equal(_load_plain(target)["w"], W * 3.0)
     assert not [p for p in os.listdir(tmp_path) if "staging" in p]
+
+
+def test_the_tools_describe_a_plugin_checkpoint_with_plain_objects(tmp_path, capsys):
+    """``dcp.save`` stores plain values ("step", a nested dict) as bytes items under their own
+    names, not ShardedObject keys: ``validate`` and ``inspect`` took every bytes item for a
+    ShardedObject key and failed ("'step' is not a ShardedObject key"), as Megatron-Core's
+    ``load_sharded_metadata`` does. They now describe them; ``convert``, which carries only
+    ShardedTensors and ShardedObjects, refuses by name instead of dropping them."""
+    from dist_ckpt.tools.cli import main as cli
+    from dist_ckpt.core import CheckpointingException
+    from dist_ckpt.tools.check import validate_checkpoint
+    from dist_ckpt.tools.convert import convert_checkpoint
+    from dist_ckpt.tools.inspection import summarize_checkpoint
+
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"w": torch.arange(8.0), "step": 5, "groups": [{"lr": 0.1}]},
+                 storage_writer=FileSystemWriter(tmp_path / "ckpt"))
+    report = validate_checkpoint(tmp_path / "ckpt")
+    assert report.problems == [] and report.ok
+    summary = summarize_checkpoint(tmp_path / "ckpt")
+    assert summary.objects == ["groups.0.lr", "step"] and list(summary.tensors) == ["w"]
+    assert cli(["inspect", str(tmp_path / "ckpt")]) == 0
+    assert "step" in capsys.readouterr().out
+    assert dist_ckpt.load_sharded_metadata(tmp_path / "ckpt").keys() == {"w"}
+    with pytest.raises(CheckpointingException, match=r"'groups.0.lr', 'step' are plain DCP objects"):
+        convert_checkpoint(tmp_path / "ckpt", tmp_path / "zarr", "zarr")
+    assert not (tmp_path / "zarr").exists()

@@ -51,6 +51,7 @@ from ..mapping import (
     ShardedTensor,
     StateDict,
     is_main_replica,
+    is_sharded_object_key,
     missing_object_shard_message,
 )
 from ..runtime.collectives import DistWrapper
@@ -518,14 +519,24 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return result
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """The checkpoint's ShardedTensors and ShardedObjects. The plain values ``dcp.save``
+        stores under their own names (through the DCP plugin: ``plain_object_keys``) are not
+        ShardedObjects and are left out (Megatron-Core's fails on them)."""
         metadata = read_dcp_metadata(checkpoint_dir)
         result: ShardedStateDict = {}
         for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, BytesStorageMetadata):
+            if isinstance(md, BytesStorageMetadata) and is_sharded_object_key(key):
                 sh_obj = ShardedObject.empty_from_unique_key(key)
                 result[sh_obj.unique_key] = sh_obj
         result.update(self.load_tensors_metadata(checkpoint_dir, metadata))
         return result
+
+    def plain_object_keys(self, checkpoint_dir: Path) -> List[str]:
+        """The names of the stored objects that are not ShardedObjects: plain values of a
+        ``dcp.save`` state dict (``"step"``, ``"optim.groups.0.lr"``), sorted."""
+        metadata = read_dcp_metadata(checkpoint_dir)
+        return sorted(key for key, md in metadata.state_dict_metadata.items()
+                      if isinstance(md, BytesStorageMetadata) and not is_sharded_object_key(key))
 
     def check_structure(self, checkpoint_dir: Path) -> List[str]:
         """Every tensor covered exactly once by its chunks, every item inside its file."""

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
-from ..core import CheckpointingConfig
+from ..core import CheckpointingConfig, CheckpointingException
 from ..integrity.manifest import forget_recorder, open_recorder
 from ..mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from ..runtime.timing import phase
@@ -61,6 +61,12 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     common_saver = resolve_strategy(StrategyAction.SAVE_COMMON, ("torch", 1), None)
     with phase("convert: metadata"):
         metadata = load_sharded_metadata(src, loader, common_loader)
+        plain = loader.plain_object_keys(src) if hasattr(loader, "plain_object_keys") else []
+    if plain:  # never a converted checkpoint silently short of them
+        raise CheckpointingException(
+            f"{src}: {', '.join(map(repr, plain))} are plain DCP objects (values of a dcp.save state dict), which "
+            f"convert does not carry: it converts ShardedTensors and ShardedObjects. Load them with "
+            f"torch.distributed.checkpoint.load (dist_ckpt.strategies.filesystem.FileSystemReader)")
     tensors = [v for v in metadata.values() if isinstance(v, ShardedTensor)]
     objects = [v for v in metadata.values() if isinstance(v, ShardedObject)]
     staged = begin_save(dst, overwrite=overwrite)

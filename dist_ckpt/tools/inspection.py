@@ -22,7 +22,7 @@ from ..runtime.timing import phase
 from ..serialization import load_common_state_dict, load_sharded_metadata
 from ..storage.formats import describe_format, detect_checkpoint_config
 from ..storage.object_store import localize
-from ..strategies.torch_dist import read_dcp_metadata
+from ..strategies.torch_dist import TorchDistLoadShardedStrategy, read_dcp_metadata
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
 
@@ -102,6 +102,8 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
     tensors: Dict[str, TensorSummary] = {}
     objects: List[str] = []
     totals: Dict[str, Dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
+    if backend in ("torch_dist", "dcp"):  # the plain values of a dcp.save (DCP plugin), beside ShardedObjects
+        objects.extend(TorchDistLoadShardedStrategy().plain_object_keys(directory))
     for key, sh in sorted(metadata.items()):
         if isinstance(sh, ShardedObject):
             objects.append(key)
@@ -118,7 +120,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
         str(source), describe_format(directory),
         config.sharded_backend if config else None, config.sharded_backend_version if config else None,
         config.common_backend if config else None, config.common_backend_version if config else None,
-        manifest_version, tensors, objects, sorted(map(str, common)),
+        manifest_version, tensors, sorted(objects), sorted(map(str, common)),
         dict(sorted(totals.items())), sum(t.bytes for t in tensors.values()),
     )
 
