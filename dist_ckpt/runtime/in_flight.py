@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+from ..core import CheckpointingException
+
 __all__ = ["CopiesInFlight", "AfterCopies", "OrderedHandOff"]
 
 POLL_S = 0.001  # how often a wait with a deadline asks whether the copies finished
@@ -116,7 +118,7 @@ class OrderedHandOff:
         If waiting fails (a device error), ``on_error`` gets the error and nothing is put."""
         with self._lock:
             if self._abandoned:
-                raise RuntimeError(f"{self._name}: put after abandon()")
+                raise CheckpointingException(f"{self._name}: a message was put after the hand-off was abandoned")
             if after is None and self._thread is None:
                 target.put(message)
                 return

@@ -55,7 +55,7 @@ class ItemSource:
 @dataclass
 class DcpWriteJob:
     """One rank's data files of a save: picklable, so that it runs in a thread of this process
-    or in the persistent writer process alike. Returns (DCP write results, manifest entries)."""
+    or in the persistent writer process alike."""
 
     checkpoint_dir: Path
     prefix: str
