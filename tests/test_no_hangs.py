@@ -51,7 +51,7 @@ def _state(rank, world, extra=None):
 
 def _inject(case, rank):
     import dist_ckpt.pipeline.save as save_steps
-    import dist_ckpt.strategies.torch_dist as torch_dist
+    import dist_ckpt.strategies.dcp.write_job as write_job
 
     if case == "staging_out_of_memory" and rank == 1:
         import dist_ckpt.strategies.dcp.staging as staging
@@ -71,12 +71,12 @@ def _inject(case, rank):
 
             raise CheckpointException("write", {1: (RuntimeError("disk gone"), "traceback")})
 
-        torch_dist.write_dcp_files = write_dcp_files
+        write_job.write_dcp_files = write_dcp_files
     elif case in ("writer_killed", "writer_stuck") and rank == (1 if case == "writer_killed" else 0):
         def write_dcp_files(*args, **kwargs):
             time.sleep(60)  # in the writer process: killed, or past the timeout
 
-        torch_dist.write_dcp_files = write_dcp_files
+        write_job.write_dcp_files = write_dcp_files
 
 
 def _save_with_failure(rank, world, ckpt, case):

@@ -274,12 +274,12 @@ def test_async_save_commits_only_at_finalization(tmp_path):
 
 
 def test_failed_async_write_raises_at_finalization_and_commits_nothing(tmp_path, monkeypatch):
-    import dist_ckpt.strategies.torch_dist as torch_dist
+    import dist_ckpt.strategies.dcp.write_job as write_job
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(torch_dist, "write_dcp_files", full_disk)
+    monkeypatch.setattr(write_job, "write_dcp_files", full_disk)
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2))}
     request = dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
     queue = dist_ckpt.AsyncCallsQueue()
