@@ -102,7 +102,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
     tensors: Dict[str, TensorSummary] = {}
     objects: List[str] = []
     totals: Dict[str, Dict[str, int]] = defaultdict(lambda: {"tensors": 0, "bytes": 0})
-    if backend in ("torch_dist", "dcp"):  # the plain values of a dcp.save (DCP plugin), beside ShardedObjects
+    if backend == "torch_dist":  # the plain values of a dcp.save through the DCP plugin, beside ShardedObjects
         objects.extend(TorchDistLoadShardedStrategy().plain_object_keys(directory))
     for key, sh in sorted(metadata.items()):
         if isinstance(sh, ShardedObject):

@@ -39,6 +39,11 @@ class NativeDcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return self.load_tensors_metadata(checkpoint_dir)
 
+    def plain_object_keys(self, checkpoint_dir: Path) -> List[str]:
+        """None: every bytes item is common state here (``NativeDcpLoadCommonStrategy``), carried
+        by whatever reads the common state (``convert``, ``inspect``)."""
+        return []
+
     def check_structure(self, checkpoint_dir: Path) -> List[str]:
         problems = super().check_structure(checkpoint_dir)
         try:
