@@ -6,6 +6,7 @@ deleting, crashing and saves in flight never make a committed checkpoint unloada
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -135,6 +136,67 @@ def test_a_base_that_cannot_serve_means_a_full_save_said_in_the_log(tmp_path, ca
     assert incremental.last_reuse is None and "saving in full" in caplog.text
     assert not any(f.stat().st_nlink > 1 for f in (tmp_path / "b").glob("*.distcp"))
     loaded = _load_whole(tmp_path / "b", _state(0, 1))
+    assert all(torch.equal(loaded[k], v) for k, v in _state(0, 1).items())
+
+
+def _rewrite_content_records(checkpoint: Path, rewrite, extra_entries=()) -> None:
+    """Each content record of ``checkpoint`` replaced by ``rewrite(document)``, with the
+    manifest's entries for them (what a save that wrote such records would have recorded), and
+    ``extra_entries`` added to the manifest."""
+    from dist_ckpt.integrity.manifest import hash_bytes, load_manifest, write_manifest
+    from dist_ckpt.integrity.recording import ManifestEntry
+
+    rewritten = {}
+    for record in checkpoint.glob("*_content.json"):
+        raw = json.dumps(rewrite(json.loads(record.read_bytes()))).encode()
+        record.write_bytes(raw)
+        rewritten[record.name] = raw
+    entries = [ManifestEntry(e.file, 0, len(rewritten[e.file]), hash_bytes(rewritten[e.file])) if e.file in rewritten
+               else e for e in load_manifest(checkpoint).entries.values()]
+    write_manifest(checkpoint, entries + list(extra_entries))
+
+
+def test_a_base_with_version_1_content_records_serves_through_its_metadata(tmp_path):
+    """dist_ckpt 0.2.0 wrote content records of version 1 (rows end at the digest): such a base
+    is indexed with its ``.metadata`` and serves as before."""
+    dist_ckpt.save(_sharded(_state(0, 1), 0, 1), tmp_path / "base",
+                   sharded_strategy=TorchDistSaveShardedStrategy(content_hashes=True))
+    _rewrite_content_records(tmp_path / "base", lambda doc: dict(doc, version=1, items=[row[:5] for row in doc["items"]]))
+    assert validate_checkpoint(tmp_path / "base").problems == []
+    incremental = TorchDistSaveShardedStrategy(incremental_base=tmp_path / "base")
+    dist_ckpt.save(_sharded(_state(0, 1, ("lora.0",), 1), 0, 1), tmp_path / "next", sharded_strategy=incremental)
+    assert (incremental.last_reuse.referenced_items, incremental.last_reuse.written_items) == (7, 1)
+    shutil.rmtree(tmp_path / "base")
+    expected = _state(0, 1, ("lora.0",), 1)
+    loaded = _load_whole(tmp_path / "next", expected)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+
+
+def test_a_content_record_cannot_link_a_file_outside_its_checkpoint(tmp_path, caplog):
+    """A base's content record names the data file of each item; one naming a path outside
+    the base, even with a manifest entry to match, makes the base refused (the manifest names
+    only files inside its checkpoint): a full save, said in the log, links nothing from there."""
+    from dist_ckpt.integrity.manifest import load_manifest
+
+    dist_ckpt.save(_sharded(_state(0, 1), 0, 1), tmp_path / "base",
+                   sharded_strategy=TorchDistSaveShardedStrategy(content_hashes=True))
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(b"not a checkpoint's")
+    moved = []
+
+    def to_outside(doc):
+        row = doc["items"][0]
+        moved.append(load_manifest(tmp_path / "base").entries[(row[0], row[1])]._replace(file="../outside.distcp"))
+        row[0] = "../outside.distcp"
+        return doc
+
+    _rewrite_content_records(tmp_path / "base", to_outside, moved)
+    with caplog.at_level(logging.WARNING):
+        incremental = TorchDistSaveShardedStrategy(incremental_base=tmp_path / "base")
+        dist_ckpt.save(_sharded(_state(0, 1), 0, 1), tmp_path / "next", sharded_strategy=incremental)
+    assert incremental.last_reuse is None and "saving in full" in caplog.text and "outside.distcp" in caplog.text
+    assert outside.stat().st_nlink == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["base", "next", "outside.distcp"]
+    loaded = _load_whole(tmp_path / "next", _state(0, 1))
     assert all(torch.equal(loaded[k], v) for k, v in _state(0, 1).items())
 
 

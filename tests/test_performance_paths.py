@@ -1363,3 +1363,58 @@ def test_flattened_ranges_are_scattered_from_the_read_buffer(tmp_path, monkeypat
     for k, t in full.items():
         for p in range(3):
             assert tensors_bitwise_equal(loaded[f"{k}@{p}"], t.reshape(-1)[bounds[p]:bounds[p + 1]])
+
+
+class _NoPickle:
+    """A payload that cannot travel: pickling it fails."""
+
+    def __reduce__(self):
+        raise pickle.PicklingError("_NoPickle does not travel")
+
+
+def _coordinator_keeps_its_own(rank: int, world: int) -> list:
+    from dist_ckpt.runtime.collectives import DistWrapper
+
+    dist = DistWrapper()
+    mine = _NoPickle() if dist.is_coordinator else [rank]
+    seen = []
+
+    def on_coordinator(everyone):
+        seen.append(everyone[0] is mine and everyone[1:] == [[r] for r in range(1, world)])
+        return [_NoPickle() if r == 0 else r for r in range(world)]
+
+    kept, shared = dist.reduce_and_share(lambda: mine, lambda everyone: on_coordinator(everyone)[0], lambda _: "ok")
+    scattered = dist.reduce_scatter(lambda: mine, on_coordinator)
+    streamed = dist.reduce_and_stream(lambda: mine, lambda everyone: iter(enumerate(on_coordinator(everyone))), None)
+    return [seen, type(kept).__name__, shared, type(scattered).__name__, type(streamed.result).__name__]
+
+
+def test_the_coordinator_never_pickles_its_own_part():
+    """A collective step's coordinator uses its own payload and its own result as they are: they
+    never leave its process, and pickling them there and back cost it as much as a whole other
+    rank's part (a save's write results, a commit's checksums). A payload that cannot be pickled
+    shows it: the steps succeed, and the coordinator sees its very object."""
+    results = run_distributed(_coordinator_keeps_its_own, 3)
+    assert results[0] == [[True, True, True], "_NoPickle", "ok", "_NoPickle", "_NoPickle"]
+    assert results[1] == [[], "NoneType", "ok", "int", "int"]
+    assert results[2] == [[], "NoneType", "ok", "int", "int"]
+
+
+def test_written_items_travel_as_columns_and_arrive_whole():
+    """A rank's write results cross to the coordinator (and from the writer process) as
+    ``WrittenItems``: unpickled, every result equals what was written, the chunk index hint,
+    stream transforms and bytes items (no offset) included."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dist_ckpt.strategies.dcp.write_job import WrittenItems
+
+    results = [WriteResult(MetadataIndex("w", torch.Size([4, 0]), 1), 100, _StorageInfo("__0_0.distcp", 64, 100)),
+               WriteResult(MetadataIndex("obj/shard_0_1"), 30, _StorageInfo("__0_0.distcp", 192, 30)),
+               WriteResult(MetadataIndex("z", torch.Size([0])), 7,
+                           _StorageInfo("__0_1.distcp", 0, 7, transform_descriptors=["zstandard"]))]
+    back = pickle.loads(pickle.dumps(WrittenItems(results) + [results[0]]))
+    assert isinstance(back, WrittenItems) and list(back) == results + [results[0]]
+    assert [r.index.index for r in back] == [1, None, None, 1]
+    assert [type(r.index.offset) for r in back] == [torch.Size, type(None), torch.Size, torch.Size]

@@ -55,7 +55,7 @@ def is_host_memory(tensor: torch.Tensor) -> bool:
     Why the exact type: a tensor subclass may hold its data elsewhere or intercept reads and writes
     (DTensor's local parts, quantized or wrapper subclasses); torch's own ops honour that, direct
     access to its storage would not. Such tensors take the device path, as GPU tensors do."""
-    return tensor.device.type == "cpu" and type(tensor) in _PLAIN_TYPES
+    return type(tensor) in _PLAIN_TYPES and tensor.is_cpu  # is_cpu: no torch.device object made per call
 
 
 def accelerator_ready() -> bool:

@@ -77,7 +77,7 @@ from .dcp.plan import (
     stored_global_shape,
     stored_tensor_catalog,
 )
-from .dcp.write_job import DcpWriteJob, ItemSource, base_index, serialize_objects
+from .dcp.write_job import DcpWriteJob, ItemSource, WrittenItems, base_index, serialize_objects
 from .dcp.protocol_path import ReaderFactory, WriterFactory, load_through_dcp, save_request_through_dcp
 from .dcp.read import READ_THREADS
 from .dcp.staging import StagingBuffers, StagingLease
@@ -98,7 +98,7 @@ class _StagedTensors:
     sources: Dict[MetadataIndex, torch.Tensor] = field(default_factory=dict)  # what the write reads, per item
     leases: List[StagingLease] = field(default_factory=list)  # this save's staging copies, its own until its write ends
     direct: List[WriteItem] = field(default_factory=list)  # written at once, from the live tensors (over the budget)
-    direct_results: List[Any] = field(default_factory=list)
+    direct_results: WrittenItems = field(default_factory=WrittenItems)
     direct_entries: List[ManifestEntry] = field(default_factory=list)
     direct_reuse: Optional[ReuseStats] = None
     background_items: List[WriteItem] = field(default_factory=list)  # what the request's write does
@@ -227,7 +227,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         objects = [o for o in leaves if isinstance(o, ShardedObject) and is_main_replica(o.replica_id)]
         recorder = recorder_for(checkpoint_dir)
         plan, metadata, object_blobs = self._plan(dist, leaves, tensors, objects)
-        prefix, options = self._job_options(dist)
+        prefix, options = self._job_options(dist, plan)
         staged = self._stage(dist, checkpoint_dir, plan, tensors, stage, prefix, options)
         job: Callable[[], Any] = DcpWriteJob(checkpoint_dir, prefix, staged.background_items, staged.sources,
                                              object_blobs, self.thread_count, self.zip_crc32, **options)
@@ -248,7 +248,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             for e in entries:
                 recorder.add_entry(e)
 
-            def commit(all_results: List[List[Any]]) -> None:
+            def commit(all_results: List[WrittenItems]) -> None:
                 write_dcp_metadata(checkpoint_dir, cast(Metadata, metadata), [r for rs in all_results for r in rs],
                                    recorder)
 
@@ -297,7 +297,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._cached_plan = (fingerprint, plan, copy.copy(metadata))
         return plan, metadata, local_blobs
 
-    def _job_options(self, dist: DistWrapper) -> Tuple[str, Dict[str, Any]]:
+    def _job_options(self, dist: DistWrapper, plan: SavePlan) -> Tuple[str, Dict[str, Any]]:
         """The data files' name prefix and the write jobs' options of one save. A save with
         content hashes names its files with a token of its own: an incremental save's new files
         must not take the names of the base's files it links."""
@@ -306,7 +306,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             return f"__{dist.rank}_", options
         options["content_hashes"] = True
         if self.incremental_base is not None:
-            options["base"] = base_index(Path(self.incremental_base))
+            options["base"] = base_index(Path(self.incremental_base), plan.items)
         return f"__{dist.rank}_{uuid.uuid4().hex[:8]}_", options
 
     def _stage(self, dist: DistWrapper, checkpoint_dir: Path, plan: SavePlan, tensors: List[ShardedTensor],

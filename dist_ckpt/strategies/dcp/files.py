@@ -38,7 +38,7 @@ from ...core import CheckpointNotFoundError, CheckpointingException, CorruptChec
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
-from ...runtime.durable import atomic_write_bytes, fsync_directory
+from ...runtime.durable import atomic_write_bytes
 from ...runtime.file_cache import ParsedFileCache
 from .metadata import MCoreMetadata, MCoreSavePlan
 from .chunk_copy import copy_region
@@ -141,7 +141,7 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
             offset, length, digest = stream.finish_item()
             recorder.add(name, offset, length, digest, item.index.fqn, stream.last_blocks)
             if content is not None and content_hash is not None:
-                content.add(name, offset, item.index, content_hash)
+                content.add(name, offset, item, content_hash, descriptors)
             results.append(WriteResult(index=item.index, size_in_bytes=length,
                                        storage_data=_StorageInfo(name, offset, length,
                                                                  transform_descriptors=descriptors or None)))
@@ -260,8 +260,7 @@ def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[W
     metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id or str(checkpoint_dir), save_id=save_id)
     content = pickle.dumps(metadata)
     recorder.add(DCP_METADATA_FNAME, 0, len(content), hash_bytes(content))
-    atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, content)
-    fsync_directory(checkpoint_dir)
+    atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, content)  # fsyncs the directory too
 
 
 _dcp_allowlist: Dict[str, Any] = {}
