@@ -197,6 +197,35 @@ def test_a_stalled_device_fails_the_save_and_close_does_not_hang(tmp_path):
         gate.open()
 
 
+def test_a_save_queued_behind_a_stalled_one_fails_with_it_and_the_next_is_written(tmp_path):
+    """A second save scheduled while the first waits for copies that never finish sits behind it
+    in the hand-off: it fails with the first (its copies finished, but the hand-off is given up
+    in order, and the writer restarted), never half-written; a save scheduled afterwards goes to
+    a new hand-off and writer and is written."""
+    first, second, third = (tmp_path / name for name in ("first", "second", "third"))
+    stalled, finished = Gate(), Gate()
+    finished.open()
+    queue = AsyncCallsQueue(persistent=True, timeout_s=2.0)
+    try:
+        queue.schedule_async_request(AsyncRequest(AfterCopies([stalled], append_line), (str(first), "a"), []))
+        queue.schedule_async_request(AsyncRequest(AfterCopies([finished], append_line), (str(second), "b"), []))
+        assert _wait_for(lambda: stalled.waited_on)
+        errors = []
+        while queue.get_num_unfinalized_calls():
+            try:
+                queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            except CheckpointingException as e:
+                errors.append(str(e))
+        assert len(errors) == 2 and all("the device may be hung" in e for e in errors), errors
+        assert not first.exists() and not second.exists()
+        queue.schedule_async_request(AsyncRequest(append_line, (str(third), "c"), []))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        assert third.read_text() == "c\n" and not second.exists()
+        queue.close()
+    finally:
+        stalled.open()
+
+
 def test_a_thread_write_on_a_stalled_device_fails_and_its_buffers_are_never_reused(tmp_path, monkeypatch):
     """The thread writer's timeout fails the save; the failed save's cleanup releases its
     staging set after a bounded wait instead of waiting for the device for ever, and sets the

@@ -209,6 +209,12 @@ class LoadShardedStrategy(LoadStrategyBase):
             return self.load_tensors_metadata(checkpoint_dir)
         raise NotImplementedError(f"{type(self).__name__} does not list ShardedObjects")
 
+    def plain_object_keys(self, checkpoint_dir: Path) -> List[str]:
+        """The names of stored values that are neither ShardedTensors nor ShardedObjects nor
+        common state (dist_ckpt's extension: ``convert`` refuses a checkpoint that has any,
+        rather than drop them; ``inspect`` lists them). The default: none."""
+        return []
+
     def remove_sharded_tensors(self, checkpoint_dir: str, key_prefix: str) -> None:
         """Drop every tensor whose key starts with ``key_prefix`` from the checkpoint."""
         raise NotImplementedError(f"{type(self).__name__} cannot remove tensors")

@@ -61,7 +61,7 @@ def convert_checkpoint(src: Union[str, os.PathLike], dst: Union[str, os.PathLike
     common_saver = resolve_strategy(StrategyAction.SAVE_COMMON, ("torch", 1), None)
     with phase("convert: metadata"):
         metadata = load_sharded_metadata(src, loader, common_loader)
-        plain = loader.plain_object_keys(src) if hasattr(loader, "plain_object_keys") else []
+        plain = loader.plain_object_keys(src)
     if plain:  # never a converted checkpoint silently short of them
         raise CheckpointingException(
             f"{src}: {', '.join(map(repr, plain))} are plain DCP objects (values of a dcp.save state dict), which "
