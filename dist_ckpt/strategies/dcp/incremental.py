@@ -15,11 +15,6 @@ when the base stored an item at the same key and chunk offset, with the same glo
 dtype, stream transforms and 128-bit digest (``ContentLog`` records them in each save's
 ``__<rank>_..._content.json``, covered by the manifest). Everything else is written as usual.
 
-Content records of version 2 carry each item's global size, dtype and transforms, so a base is
-indexed from its manifest and content records alone: unpickling the base's ``.metadata`` took
-20 ms of every 1 GiB incremental save (2,168 items), about as long as the rest of the base's
-index. Version 1 records (dist_ckpt 0.2.0) hold only the digests: such a base is indexed with
-its ``.metadata`` as before.
 The references carry the base's manifest entries, so validation and loads verify the linked bytes
 as they verify written ones: a base byte damaged after the save is found when the new checkpoint
 is read.
@@ -27,6 +22,12 @@ is read.
 Where hard links cannot be made (another file system, some FUSE and object-store mounts) the
 item is written in full, and the log says so once per save. A base whose index, manifest or
 content records do not verify is not used: the save is a full one (logged).
+
+Content records of version 2 carry each item's global size, dtype and transforms, so a base is
+indexed from its manifest and content records alone: unpickling the base's ``.metadata`` took
+20 ms of every 1 GiB incremental save (2,168 items), about as long as the rest of the base's
+index. Version 1 records (dist_ckpt 0.2.0) hold only the digests: such a base is indexed with
+its ``.metadata`` as before.
 """
 
 from __future__ import annotations
