@@ -17,6 +17,7 @@ from .core import (
     StrategyCompatibilityError,
     UnknownStrategyError,
     UnsafePickleError,
+    UnsupportedFormatError,
 )
 from .storage.lock import ConcurrentSaveError
 from .mapping import (
@@ -57,7 +58,7 @@ from .validation import StrictHandling
 from .manager import CheckpointManager, PendingSaveError  # noqa: E402 - builds on serialization
 from .storage.object_store import StorageError
 
-__version__ = "0.2.0"
+from ._version import __version__
 
 # The top-level API, one list. Each module's own __all__ lists only what that module defines (or,
 # for Megatron-Core's modules, what Megatron-Core's module of that name defines).
@@ -107,5 +108,6 @@ __all__ = [
     "DuplicateStrategyError",
     "StrategyCompatibilityError",
     "UnsafePickleError",
+    "UnsupportedFormatError",
     "__version__",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "DuplicateStrategyError",
     "StrategyCompatibilityError",
     "UnsafePickleError",
+    "UnsupportedFormatError",
     "CheckpointingConfig",
     "CONFIG_FNAME",
     "COMMON_STATE_FNAME",
@@ -122,6 +123,12 @@ class StrategyCompatibilityError(CheckpointingException, ValueError):
 
 class UnsafePickleError(CheckpointingException, ValueError):
     """A pickle references a global outside the allowlist; nothing from it was executed."""
+
+
+class UnsupportedFormatError(CheckpointingException, ValueError):
+    """A checkpoint file is in a form the running software does not know (written by a newer
+    torch or dist_ckpt): the file is not damaged; the message names its writer and what to
+    install to read it."""
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import IO, Any, Callable, Dict, Iterable, Iterator, List, Optional, 
 import numpy as np
 import torch
 
-from ..core import CorruptCheckpointError, UnsafePickleError
+from ..core import CheckpointingException, CorruptCheckpointError, UnsafePickleError
 from ..runtime.gc_pause import gc_paused
 
 __all__ = [
@@ -335,9 +335,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
     a pickler took out as persistent ids come from ``persistent_load``."""
 
     def __init__(self, file: IO[bytes], allowed: Dict[str, Any],
-                 persistent_load: Optional[Callable[[Any], Any]] = None, **kwargs: Any) -> None:
+                 persistent_load: Optional[Callable[[Any], Any]] = None,
+                 refused: Optional[Callable[[str], Optional[Exception]]] = None, **kwargs: Any) -> None:
         super().__init__(file, **kwargs)
         self._allowed = allowed
+        self._refused = refused
         if persistent_load is not None:
             self.persistent_load = persistent_load  # type: ignore[method-assign]
 
@@ -348,7 +350,24 @@ class _RestrictedUnpickler(pickle.Unpickler):
         enums = _allowed_enums([full])
         if enums:
             return enums[0][0]
+        instead = self._refused(full) if self._refused is not None else None
+        if instead is not None:
+            raise instead
         raise pickle.UnpicklingError(f"GLOBAL {full} was not an allowed global")
+
+
+class _TrustedUnpickler(pickle.Unpickler):
+    """Unrestricted (``trusted_unpickling``), but a name ``allowed`` lists resolves to what it
+    lists there, as in a restricted load: a format module's stand-in (a class that reads every
+    torch release's state) serves trusted loads too."""
+
+    def __init__(self, file: IO[bytes], allowed: Dict[str, Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get(f"{module}.{name}")
+        return found if found is not None else super().find_class(module, name)
 
 
 def globals_by_name(entries: Iterable[Any]) -> Dict[str, Any]:
@@ -363,19 +382,25 @@ def globals_by_name(entries: Iterable[Any]) -> Dict[str, Any]:
 
 @gc_paused()
 def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any],
-                     persistent_load: Optional[Callable[[Any], Any]] = None) -> Any:
+                     persistent_load: Optional[Callable[[Any], Any]] = None,
+                     refused: Optional[Callable[[str], Optional[Exception]]] = None) -> Any:
     """``pickle.load`` that resolves only the globals in ``allowed`` (full name -> object) and
     those of ``add_safe_globals``; ``what`` names the file in errors. Nothing else is imported
     or called. ``persistent_load`` resolves the pickle's persistent ids (e.g. tensors stored
-    beside it). Without garbage collection while it runs (``gc_paused``: an index of many
-    chunks is hundreds of thousands of small objects)."""
+    beside it). ``refused(name)`` may name a better error than an unsafe pickle for a global
+    outside the allowlist (a format module knows a newer release's class when it sees one); our
+    own errors raised while unpickling (an allowlisted class refusing a state it does not know)
+    pass through as they are. Without garbage collection while it runs (``gc_paused``: an index
+    of many chunks is hundreds of thousands of small objects)."""
     if is_trusted_unpickling():
-        unpickler = pickle.Unpickler(file)
+        unpickler = _TrustedUnpickler(file, allowed)
         if persistent_load is not None:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         return unpickler.load()
     allowed = {**globals_by_name(get_safe_globals()), **allowed}
     try:
-        return _RestrictedUnpickler(file, allowed, persistent_load).load()
+        return _RestrictedUnpickler(file, allowed, persistent_load, refused).load()
+    except CheckpointingException:
+        raise  # a class the allowlist resolves, or ``refused``, said what is wrong: nothing to translate
     except _LOAD_ERRORS as e:
         raise _translate(what, e) from None

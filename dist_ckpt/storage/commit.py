@@ -63,6 +63,7 @@ from .formats import foreign_checkpoint_at
 from .leftovers import OVERWRITE_HINT, is_committed, old_dir_for, staging_dir_for
 from .locations import checkpoints_inside
 from .lock import SaveLock
+from .writer_record import WRITER_FNAME, write_writer_record
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +228,12 @@ def begin_save(target: Path, overwrite: Optional[bool] = None) -> StagedSave:
 
 
 def write_manifest_and_config(directory: Path, config: CheckpointingConfig, entries: "List[Any]") -> None:
-    """The manifest, then ``metadata.json`` (both hashed, in the manifest): a checkpoint's last files."""
+    """The writer record, the manifest, then ``metadata.json`` (all hashed, in the manifest): a
+    checkpoint's last files."""
     content = config_bytes(config)
-    write_manifest(directory, list(entries) + [ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
+    writer = write_writer_record(directory)
+    write_manifest(directory, list(entries) + [ManifestEntry(WRITER_FNAME, 0, len(writer), hash_bytes(writer)),
+                                               ManifestEntry(CONFIG_FNAME, 0, len(content), hash_bytes(content))])
     save_config(config, directory)
 
 

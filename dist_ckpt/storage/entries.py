@@ -3,8 +3,8 @@
 The training framework shares the checkpoint directory with us (Megatron-LM and ModelOpt write
 files into it, even during a save), so every operation that replaces or removes a checkpoint
 needs the one rule of which entries are ours (``checkpoint_entries``): ``metadata.json``,
-``common.pt``, the DCP ``.metadata`` and ``*.distcp`` files, the manifest, the files the
-manifest lists, and zarr array / ShardedObject directories. Everything else is someone else's:
+``common.pt``, the DCP ``.metadata`` and ``*.distcp`` files, the manifest, the writer record,
+the files the manifest lists, and zarr array / ShardedObject directories. Everything else is someone else's:
 linked into a new checkpoint, moved back, never deleted.
 """
 
@@ -21,6 +21,7 @@ from typing import Iterable, List, Set
 from ..core import COMMON_STATE_FNAME, CONFIG_FNAME, DCP_METADATA_FNAME
 from ..integrity.manifest import MANIFEST_FNAME, parse_manifest
 from ..runtime.durable import fsync_directory
+from .writer_record import WRITER_FNAME
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ __all__ = [
     "move_back_foreign_entries",
 ]
 
-_CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME}
+_CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME, WRITER_FNAME}
 # DCP data, incremental saves' content records (``strategies.dcp.incremental``), our atomic-write
 # temporaries (``runtime.durable.TEMPORARY_MARK``; ``.tmp-<pid>`` of old versions)
 _CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|__\d+_.+_content\.json|\..+\.tmp-\d+|\..+\.dist_ckpt-tmp-.+-\d+)$")

@@ -43,7 +43,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
-from ..core import StrategyCompatibilityError
+from ..core import StrategyCompatibilityError, UnsupportedFormatError
 from ..mapping import ShardedStateDict, StateDict
 from ..sharding.regions import RequestedRegions
 from .async_utils import AsyncRequest
@@ -221,9 +221,13 @@ class LoadShardedStrategy(LoadStrategyBase):
 
     def check_structure(self, checkpoint_dir: Path) -> List[str]:
         """Problems with the stored data's structure and coverage (``dist-ckpt validate``),
-        without reading tensor bytes. The default only checks that the metadata loads."""
+        without reading tensor bytes. The default only checks that the metadata loads. Raises
+        ``UnsupportedFormatError`` where the index is in a newer writer's format (not a problem
+        of the checkpoint)."""
         try:
             self.load_tensors_metadata(checkpoint_dir)
+        except UnsupportedFormatError:
+            raise
         except Exception as e:  # noqa: BLE001 - reported, not raised
             return [f"{type(e).__name__}: {e}"]
         return []

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import pickle
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from ..core import (
     CheckpointingException,
     KeyMismatchError,
     ShardingError,
+    UnsupportedFormatError,
 )
 from ..dict_utils import dict_list_map_inplace, nested_values
 from ..integrity.manifest import ManifestEntry, hash_bytes, recorder_for, update_manifest
@@ -64,6 +64,7 @@ from .async_utils import AsyncRequest
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .interfaces import IndexPart
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
+from .dcp.torch_releases import portable_metadata_bytes
 from .dcp.incremental import ReuseStats
 from .dcp.index_parts import CompactIndex, IndexCutter
 from .dcp.plan import (
@@ -542,6 +543,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Every tensor covered exactly once by its chunks, every item inside its file."""
         try:
             metadata = read_dcp_metadata(checkpoint_dir)
+        except UnsupportedFormatError:
+            raise  # not a problem of the checkpoint: ``validate`` reports it as what it is
         except CheckpointingException as e:
             return [str(e)]
         problems = []
@@ -590,7 +593,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         old_files = {info.relative_path for info in metadata.storage_data.values()}
         metadata.storage_data = {i: s for i, s in metadata.storage_data.items() if i.fqn not in removed}
         kept_files = {info.relative_path for info in metadata.storage_data.values()}
-        content = pickle.dumps(metadata)
+        content = portable_metadata_bytes(metadata)
         removed_files = old_files - kept_files
         update_manifest(
             checkpoint_dir,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable, List, Optional, Union, cast
 
-from ..core import CONFIG_FNAME, CheckpointingException
+from ..core import CONFIG_FNAME, CheckpointingException, UnsupportedFormatError
 from ..integrity.manifest import MANIFEST_FNAME, BlockHashes, Manifest, ManifestEntry, hash_bytes, load_manifest, verification
 from ..mapping import ShardedObject
 from ..runtime.timing import phase
@@ -42,18 +42,23 @@ class ValidationReport:
     tensors_checked: int = 0  # tensors whose stored chunks were checked for coverage and bounds
     data_files: int = 0  # files of the checkpoint the structure check measured against
     has_manifest: bool = False
+    #: why this torch / dist_ckpt cannot read the checkpoint's index (a newer format, not damage):
+    #: its structure was not checked; its checksums were
+    unsupported: Optional[str] = None
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and self.unsupported is None
 
     def summary(self, name: Optional[str] = None) -> str:
         """One line: the verdict and what was actually checked (never "0 checksums in 0 files"
         without saying why). ``name``: how to call the checkpoint (e.g. the URL validated
         through its local copy ``directory``)."""
-        verdict = "OK" if self.ok else "INVALID"
+        verdict = "OK" if self.ok else "INVALID" if self.problems else "UNSUPPORTED FORMAT"
         structure = (f"structure and coverage of {self.tensors_checked} tensors checked: stored byte ranges and "
                      f"chunk files against the sizes of {self.data_files} files")
+        if self.unsupported is not None:
+            structure = "structure not checked: this software cannot read its index (see above), which is not damage"
         if self.has_manifest:
             checked = f"{self.checksums_verified} checksums verified in {self.files_checked} files; {structure}"
         else:
@@ -81,13 +86,18 @@ def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,
         report.problems.append(str(e))
         manifest = None
     with verification(False), phase("validate: structure"):
-        for step in (lambda: common.load_common(directory), lambda: _load_objects(directory, sharded, common)):
-            try:
-                step()
-            except CheckpointingException as e:
-                report.problems.append(str(e))
-        report.problems.extend(sharded.check_structure(directory))
-        report.tensors_checked, report.data_files = _structure_extent(directory, sharded)
+        try:
+            for step in (lambda: common.load_common(directory), lambda: _load_objects(directory, sharded, common)):
+                try:
+                    step()
+                except UnsupportedFormatError:
+                    raise
+                except CheckpointingException as e:
+                    report.problems.append(str(e))
+            report.problems.extend(sharded.check_structure(directory))
+            report.tensors_checked, report.data_files = _structure_extent(directory, sharded)
+        except UnsupportedFormatError as e:  # a newer writer's format: the checksums still tell damage
+            report.unsupported = str(e)
     report.has_manifest = manifest is not None
     if manifest is None:  # summary() says that no checksums could be verified, and why
         return report

@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--overwrite", action="store_true",
                         help="replace the weights DST holds already (its other files, e.g. tokenizer, stay)")
     command("strategies", "list registered strategies and whether their libraries are installed")
-    validate = command("validate", "check a checkpoint: structure, coverage, checksums; exit code 1 when invalid")
+    validate = command("validate", "check a checkpoint: structure, coverage, checksums; exit code 1 when invalid, "
+                                   "2 when its format is newer than this torch or dist_ckpt reads")
     validate.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL")
     clean = command("clean", "remove what interrupted saves left (staging directories), restore a checkpoint an "
                              "interrupted overwrite moved aside; nothing else is touched")
@@ -239,8 +240,10 @@ def _run(args: argparse.Namespace) -> int:
             print(f"warning: {warning}")
         for problem in report.problems:
             print(f"PROBLEM: {problem}")
+        if report.unsupported is not None:
+            print(f"UNSUPPORTED: {report.unsupported}")
         print(report.summary(args.directory))
-        return 0 if report.ok else 1
+        return 0 if report.ok else 1 if report.problems else 2
     elif args.command == "clean":
         from pathlib import Path
 

@@ -16,7 +16,7 @@ import copy
 import io
 import math
 import os
-import pickle
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
@@ -34,17 +34,19 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ...core import CheckpointNotFoundError, CheckpointingException, CorruptCheckpointError
+from ...core import CheckpointNotFoundError, CheckpointingException, CorruptCheckpointError, UnsupportedFormatError
 from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_manifest, verification_enabled, verify_bytes
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
 from ...runtime.durable import atomic_write_bytes
 from ...runtime.file_cache import ParsedFileCache
+from ...storage.writer_record import describe_writer
 from .metadata import MCoreMetadata, MCoreSavePlan
 from .chunk_copy import copy_region
 from .read import ItemGroup, read_item_groups
 from .incremental import ContentLog, Reuse, content_digest
 from .record import write_tensor_record
+from .torch_releases import TensorPropertiesOfAnyRelease, portable_metadata_bytes
 
 __all__ = [
     "DCP_METADATA_FNAME",
@@ -56,6 +58,7 @@ __all__ = [
     "transformed_stream",
     "DcpReader",
     "load_dcp_metadata_pickle",
+    "newer_format_error",
 ]
 
 DCP_METADATA_FNAME = ".metadata"
@@ -258,7 +261,7 @@ def write_dcp_metadata(checkpoint_dir: Path, metadata: Metadata, results: List[W
     metadata.storage_data = {r.index: r.storage_data for r in results}
     save_id = getattr(metadata.storage_meta, "save_id", None)
     metadata.storage_meta = StorageMeta(checkpoint_id=checkpoint_id or str(checkpoint_dir), save_id=save_id)
-    content = pickle.dumps(metadata)
+    content = portable_metadata_bytes(metadata)  # five-field TensorProperties: every torch release reads it
     recorder.add(DCP_METADATA_FNAME, 0, len(content), hash_bytes(content))
     atomic_write_bytes(Path(checkpoint_dir) / DCP_METADATA_FNAME, content)  # fsyncs the directory too
 
@@ -281,6 +284,8 @@ def _dcp_metadata_allowlist() -> Dict[str, Any]:
             obj = getattr(module, name, None)
             if isinstance(obj, type) and obj.__module__ == module.__name__:
                 allowed[f"{module.__name__}.{name}"] = obj
+    # five fields (torch <= 2.14) or six (2.15's strides), whichever torch runs
+    allowed["torch.distributed.checkpoint.metadata.TensorProperties"] = TensorPropertiesOfAnyRelease
     allowed["torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"] = dcp_md._MEM_FORMAT_ENCODING
     allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
     allowed["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
@@ -292,8 +297,26 @@ def _dcp_metadata_allowlist() -> Dict[str, Any]:
 
 
 def load_dcp_metadata_pickle(file: Any, what: str) -> Any:
-    """Unpickle a DCP ``.metadata`` with the allowlist above (nothing else imported or called)."""
-    return safe_pickle_load(file, what, _dcp_metadata_allowlist())
+    """Unpickle a DCP ``.metadata`` with the allowlist above (nothing else imported or called).
+    A DCP class the running torch does not have is a newer torch's format
+    (``UnsupportedFormatError``), not an unsafe pickle."""
+    return safe_pickle_load(file, what, _dcp_metadata_allowlist(), refused=_newer_dcp_class)
+
+
+_DCP_MODULE = "torch.distributed.checkpoint."
+
+
+def _newer_dcp_class(name: str) -> Optional[Exception]:
+    """Our error for a refused global that names a DCP class this torch lacks (a newer torch
+    wrote the index); None for anything else (refused as unsafe)."""
+    if not name.startswith(_DCP_MODULE):
+        return None
+    module_name, _, attr = name.rpartition(".")
+    module = sys.modules.get(module_name)
+    if module is not None and hasattr(module, attr):
+        return None  # it exists here and is not allowed: refused as unsafe
+    return UnsupportedFormatError(f"it names {name}, which torch {torch.__version__} does not have (a newer "
+                                  f"torch's DCP format)")
 
 
 _MAX_COUNT = 1 << 62  # no tensor has more elements (or a larger dimension) than this
@@ -357,6 +380,16 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
             )
 
 
+def newer_format_error(path: Path, what: str) -> UnsupportedFormatError:
+    """The error for an index in a form the running torch cannot read: ``what`` it holds, who
+    wrote the checkpoint (its writer record) and what to install."""
+    return UnsupportedFormatError(
+        f"{path} is in a DCP format this torch ({torch.__version__}) cannot read: {what}. The checkpoint is not "
+        f"damaged; {describe_writer(path.parent)}. Load it under the torch release that wrote it or a newer "
+        f"one, or with a newer dist_ckpt; a checkpoint that dist_ckpt writes loads under torch 2.11 to 2.15."
+    )
+
+
 _metadata_cache: ParsedFileCache[Metadata] = ParsedFileCache(8)  # the checked index, per .metadata version
 
 
@@ -394,7 +427,10 @@ class DcpReader(FileSystemReader):
             )
         content = path.read_bytes()
         verify_bytes(self.path, DCP_METADATA_FNAME, 0, content, what="the DCP index")
-        metadata = load_dcp_metadata_pickle(io.BytesIO(content), what=str(path))
+        try:
+            metadata = load_dcp_metadata_pickle(io.BytesIO(content), what=str(path))
+        except UnsupportedFormatError as e:
+            raise newer_format_error(path, str(e)) from None
         try:
             return self._checked(path, metadata)
         except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:

@@ -38,6 +38,7 @@ from ...sharding.geometry import Box, intersect
 from ...sharding.regions import RegionGroup, RequestedRegion, RequestedRegions
 from ..interfaces import IndexPart
 from .plan import REFORMULATED_SHAPE_KEY, reformulated_local_shape
+from .torch_releases import property_fields
 
 __all__ = ["IndexCutter", "CompactIndex"]
 
@@ -421,7 +422,7 @@ class IndexCutter:
                 wire.append((offsets, tuple(ch.sizes), where.get((key, offsets))))
             ranges = [None if w[2] is None else (self._file_list[w[2][0]], w[2][1]) for w in wire]
             p = md.properties
-            value = (p.dtype, p.layout, p.requires_grad, p.memory_format, p.pin_memory)
+            value = property_fields(p)  # strides too: properties that differ only in them are not merged
             if value not in self._properties:
                 self._properties[value] = len(self._property_list)
                 self._property_list.append(p)

@@ -35,6 +35,7 @@ from ...integrity.manifest import ManifestEntry, hash_bytes, new_hasher
 from ...runtime.devices import host_snapshots
 from ...storage.object_store import StorageError
 from .files import DCP_METADATA_FNAME
+from .torch_releases import portable_metadata
 
 __all__ = ["BackgroundWrite", "read_back_entries", "read_back_file_entry"]
 
@@ -82,7 +83,9 @@ class BackgroundWrite:
         return self.writer.prepare_global_plan(plans)
 
     def finish(self, metadata: Any, results: List[List[WriteResult]]) -> None:
-        self.writer.finish(metadata, results)
+        """The user's writer pickles the index itself: it gets one whose tensor properties pickle
+        in the form every torch release reads (``torch_releases.portable_metadata``)."""
+        self.writer.finish(portable_metadata(metadata), results)
 
     def storage_meta(self) -> Any:
         return self.writer.storage_meta()

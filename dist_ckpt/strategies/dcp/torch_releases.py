@@ -1,0 +1,137 @@
+"""The DCP index (``.metadata``) across torch releases: every release's form read, and the
+form every supported release reads written.
+
+A checkpoint outlives the torch that wrote it. The one difference in ``.metadata`` between
+torch 2.11 and 2.15 is ``TensorProperties``: torch 2.15 added a sixth field, ``strides`` (the
+writing rank's local strides, taken from the tensor by ``create_from_tensor``; torch's own
+writer records them for every tensor, a contiguous one included), and its ``__getstate__``
+always pickles six fields. torch 2.11-2.14 unpack exactly five in ``__setstate__``, so an index
+written under 2.15 fails there with "too many values to unpack (expected 5)".
+
+No loader of any of these releases reads ``strides``: a DCP item's stored bytes carry their own
+layout, and a load copies them into the destination's (checked in torch 2.15: only the save side
+of ``torch.distributed._shard`` ShardedTensors passes them on). So:
+
+* **reading** (``TensorPropertiesOfAnyRelease``, what the allowlisted unpickler resolves
+  ``TensorProperties`` to): five or six fields under any release; under a torch without the
+  field, the sixth is dropped; under a torch with it, it is kept. A form with more fields is a
+  newer format, not damage: ``UnsupportedFormatError``.
+* **writing** (``portable_metadata_bytes`` for dist_ckpt's own writers, ``portable_metadata``
+  for a user's DCP storage writer, which pickles the index itself): ``TensorProperties`` as the
+  five fields every release reads, ``strides`` dropped, which no reader loses.
+
+Private torch names this relies on, each checked by ``tests/test_torch_releases.py``: the
+``TensorProperties`` fields and its ``__getstate__`` / ``__setstate__`` tuple.
+"""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import dataclasses
+import io
+import pickle
+from typing import Any, Callable, Dict, Tuple
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+from ...core import UnsupportedFormatError
+
+__all__ = [
+    "TORCH_HAS_STRIDES",
+    "PORTABLE_PROPERTY_FIELDS",
+    "TensorPropertiesOfAnyRelease",
+    "portable_metadata_bytes",
+    "portable_metadata",
+    "property_fields",
+]
+
+#: whether the running torch's ``TensorProperties`` has ``strides`` (2.15 and newer)
+TORCH_HAS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorProperties)}
+#: the fields of the form every supported release unpickles (dtype, layout, requires_grad,
+#: memory format, pin_memory)
+PORTABLE_PROPERTY_FIELDS = 5
+_FIELDS_READ = (5, 6)  # 6: torch 2.15's strides last
+
+
+def property_fields(properties: TensorProperties) -> Tuple[Any, ...]:
+    """Every field of ``properties`` that tells two of them apart, ``strides`` included where the
+    running torch (or a newer one's index) has them: properties that differ only in strides are
+    not the same."""
+    return (properties.dtype, properties.layout, properties.requires_grad, properties.memory_format,
+            properties.pin_memory, getattr(properties, "strides", None))
+
+
+class TensorPropertiesOfAnyRelease(TensorProperties):
+    """What ``.metadata``'s ``TensorProperties`` is unpickled as: torch's class, rebuilt from any
+    supported release's state. Each instance becomes a plain ``TensorProperties`` in
+    ``__setstate__`` (its class is switched back), so nothing downstream sees this subclass."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.__class__ = TensorProperties  # type: ignore[assignment]
+        if not isinstance(state, tuple) or len(state) not in _FIELDS_READ:
+            found = f"a state of {len(state)} fields" if isinstance(state, tuple) else f"a {type(state).__name__}"
+            raise UnsupportedFormatError(
+                f"its TensorProperties hold {found}; torch 2.11-2.15 pickle 5 or 6 (a newer torch's form)")
+        if len(state) == 6:
+            strides = state[5]
+            if strides is not None and not (isinstance(strides, tuple) and all(type(s) is int for s in strides)):
+                raise UnsupportedFormatError(
+                    f"its TensorProperties hold strides {str(strides)[:60]}, not a tuple of ints (a newer torch's form)")
+            if not TORCH_HAS_STRIDES:
+                state = state[:5]  # this torch has no such field, and no loader reads it
+        TensorProperties.__setstate__(self, state)
+
+
+def _five_fields(properties: TensorProperties) -> Tuple[Callable[..., Any], Tuple[Any, ...], Tuple[Any, ...]]:
+    """``properties`` reduced to torch's own pickled form with its first five fields: the bytes
+    torch 2.11-2.14 write for it."""
+    state = properties.__getstate__()[:PORTABLE_PROPERTY_FIELDS]
+    return copyreg.__newobj__, (TensorProperties,), state  # type: ignore[attr-defined]
+
+
+class _PortablePickler(pickle.Pickler):
+    dispatch_table = {**copyreg.dispatch_table, TensorProperties: _five_fields}
+
+
+def portable_metadata_bytes(metadata: Metadata) -> bytes:
+    """``pickle.dumps(metadata)`` as torch 2.11-2.14 would write it, under any torch: every
+    release's ``dcp.load`` (and Megatron-Core's) reads it."""
+    buffer = io.BytesIO()
+    _PortablePickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(metadata)
+    return buffer.getvalue()
+
+
+class _PortableTensorProperties(TensorProperties):
+    """A ``TensorProperties`` that pickles as torch's class in the five-field form, whoever
+    pickles it (a user's storage writer calls plain ``pickle.dump``)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return _five_fields(self)
+
+
+def portable_metadata(metadata: Metadata) -> Metadata:
+    """A copy of ``metadata`` whose tensor properties pickle in the five-field form, for a storage
+    writer that pickles the index itself; ``metadata`` is not changed. The copy is shallow but for
+    each tensor's entry (its chunks are shared)."""
+    if not TORCH_HAS_STRIDES:
+        return metadata  # this torch pickles five fields itself
+    portable: Dict[Any, TensorProperties] = {}
+
+    def converted(properties: TensorProperties) -> TensorProperties:
+        key = id(properties)
+        if key not in portable:
+            copied = copy.copy(properties)
+            copied.__class__ = _PortableTensorProperties
+            portable[key] = copied
+        return portable[key]
+
+    entries = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and type(md.properties) is TensorProperties:
+            md = copy.copy(md)
+            md.properties = converted(md.properties)
+        entries[fqn] = md
+    copied = copy.copy(metadata)  # not dataclasses.replace: Megatron-Core's subclass adds attributes
+    copied.state_dict_metadata = entries
+    return copied
