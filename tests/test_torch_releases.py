@@ -436,3 +436,46 @@ def test_megatron_core_reads_what_dist_ckpt_wrote_under_every_release():
             assert tensors_bitwise_equal(plain[key], global_tensor(key, shape, dtype)), (path, key)
         start, stop = FLAT_RANGES[1]
         assert plain[FLAT_KEY].numel() == FLAT_SHAPE[0] * FLAT_SHAPE[1] and stop == plain[FLAT_KEY].numel()
+
+
+# -- formats of a newer dist_ckpt ---------------------------------------------------------------------
+
+
+def test_a_newer_manifest_version_asks_for_a_newer_dist_ckpt_instead_of_calling_it_corrupt(tmp_path):
+    ckpt = _saved(tmp_path / "ckpt")
+    content = json.loads((ckpt / MANIFEST_FNAME).read_bytes())
+    content["version"] = 99
+    (ckpt / MANIFEST_FNAME).write_text(json.dumps(content))
+    with pytest.raises(UnsupportedFormatError, match="manifest version 99 .* a newer dist_ckpt wrote it .*upgrade"):
+        dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ckpt)
+    content["version"] = "4"  # not a version any dist_ckpt writes: damage
+    (ckpt / MANIFEST_FNAME).write_text(json.dumps(content))
+    with pytest.raises(dist_ckpt.CorruptCheckpointError):
+        dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, ckpt)
+
+
+def test_a_local_part_of_a_newer_format_version_is_named_as_such(tmp_path):
+    from dist_ckpt.storage.local_parts import read_part, write_part
+
+    write_part(tmp_path / "p.pt", {"step": 3}, [torch.ones(2)])
+    raw = bytearray((tmp_path / "p.pt").read_bytes())
+    raw[8:12] = (99).to_bytes(4, "little")  # the preamble's format version
+    (tmp_path / "p.pt").write_bytes(bytes(raw))
+    with pytest.raises(UnsupportedFormatError, match="format version 99; this dist_ckpt .* a newer dist_ckpt wrote it"):
+        read_part(tmp_path / "p.pt")
+
+
+def test_the_manager_stops_at_a_newer_format_instead_of_resuming_from_an_older_checkpoint(tmp_path):
+    """Falling back past it would train on from an older step without saying why; the user needs
+    the torch that reads it."""
+    manager = dist_ckpt.CheckpointManager(tmp_path / "run", async_save=False)
+    for step in (1, 2):
+        manager.save(step, {"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(step)))})
+    manager.close()
+    _rewrite_properties(tmp_path / "run" / "iter_0000002", (None, "a seventh field"))
+    resumed = dist_ckpt.CheckpointManager(tmp_path / "run", async_save=False)
+    with pytest.raises(UnsupportedFormatError, match="7 fields"):
+        resumed.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))})
+    loaded = resumed.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}, step=1)
+    assert tensors_bitwise_equal(loaded["w"], torch.full((4,), 1.0))
+    resumed.close()

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union, cast
 
-from ..core import CorruptCheckpointError
+from .._version import __version__
+from ..core import CorruptCheckpointError, UnsupportedFormatError
 from ..runtime.durable import atomic_write_bytes
 from ..runtime.file_cache import ParsedFileCache
 from ..runtime.gc_pause import gc_paused
@@ -274,9 +275,11 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where} is not a dist_ckpt manifest")
     version = content.get("version")
     if version not in _READABLE_VERSIONS or isinstance(version, bool) or content.get("hash") != HASH_ALGORITHM:
-        raise CorruptCheckpointError(
+        newer = type(version) is int and version > MANIFEST_VERSION
+        raise (UnsupportedFormatError if newer else CorruptCheckpointError)(
             f"{where}: manifest version {content.get('version')!r} / hash {content.get('hash')!r} is not "
-            f"supported (expected one of {_READABLE_VERSIONS} / {HASH_ALGORITHM}); upgrade dist_ckpt"
+            f"supported by this dist_ckpt ({__version__}; it reads versions {_READABLE_VERSIONS} / "
+            f"{HASH_ALGORITHM})" + ("; a newer dist_ckpt wrote it (not damage): upgrade dist_ckpt" if newer else "")
         )
     unknown = set(content) - {"format", "version", "hash", "entries"} - ({"manifest_hash"} if version >= 4 else set())
     if unknown:
