@@ -265,8 +265,11 @@ def test_the_tools_read_every_release(tmp_path, capsys):
     old, new = ROOT / "torch2.11.0", ROOT / "torch2.15.0"
     for path in (old / "w2_torch_dist", new / "w2_torch_dist", new / "w2_dcp_plugin", new / "w1_dcp_plugin_0.2.0"):
         assert main(["validate", str(path)]) == 0, capsys.readouterr().out
+        capsys.readouterr()
         assert main(["inspect", str(path)]) == 0
-    capsys.readouterr()
+        writer = ("writer not recorded" if path.name.endswith("0.2.0") else
+                  f"written by dist_ckpt {dist_ckpt.__version__} under torch {path.parent.name.removeprefix('torch')}")
+        assert writer in capsys.readouterr().out
     assert main(["convert", str(new / "w2_torch_dist"), str(tmp_path / "zarr"), "--backend", "zarr"]) == 0
     assert main(["diff", str(old / "w2_torch_dist"), str(tmp_path / "zarr")]) == 0, capsys.readouterr().out
     assert main(["diff", str(old / "w2_dcp_plain"), str(new / "w2_dcp_plain")]) == 0, capsys.readouterr().out
@@ -344,31 +347,44 @@ def test_a_newer_form_is_named_with_its_writer_not_called_corrupt(tmp_path, caps
     assert "UNSUPPORTED FORMAT" in out and "PROBLEM" not in out and "7 fields" in out
 
 
-def _rewrite_with_global(checkpoint: Path, module: str, name: str) -> None:
-    """``.metadata`` re-pickled with its ``Metadata`` under another global name (protocol 2:
+def _rewrite_with_global(checkpoint: Path, old: str, new: str) -> None:
+    """``.metadata`` re-pickled with global ``old`` (``module.name``) renamed ``new`` (protocol 2:
     globals are lines of text), its manifest entry updated."""
     from dist_ckpt.strategies.dcp.files import load_dcp_metadata_pickle
 
     with dist_ckpt.trusted_unpickling():
         metadata = load_dcp_metadata_pickle(io.BytesIO((checkpoint / ".metadata").read_bytes()), "test")
     content = pickle.dumps(metadata, protocol=2)
-    old = b"ctorch.distributed.checkpoint.metadata\nMetadata\n"
-    assert content.count(old) == 1
-    content = content.replace(old, f"c{module}\n{name}\n".encode())
+    line = ("c" + "\n".join(old.rsplit(".", 1)) + "\n").encode()
+    assert content.count(line) >= 1, line
+    content = content.replace(line, ("c" + "\n".join(new.rsplit(".", 1)) + "\n").encode())
     (checkpoint / ".metadata").write_bytes(content)
     update_manifest(checkpoint, drop=lambda e: e.file == ".metadata",
                     add=[ManifestEntry(".metadata", 0, len(content), hash_bytes(content))])
 
 
-def test_a_dcp_class_this_torch_lacks_is_a_newer_format_and_anything_else_stays_unsafe(tmp_path):
+_METADATA = "torch.distributed.checkpoint.metadata.Metadata"
+
+
+@pytest.mark.parametrize("old, new, kind", [
+    (_METADATA, "torch.distributed.checkpoint.metadata.MetadataV9", "DCP format"),
+    (_METADATA, "torch.distributed.checkpoint.storage_v9.Metadata", "DCP format"),
+    ("torch.float32", "torch.float99_e9m9", "dtype or class"),  # as torch 2.15's bcomplex32 under 2.11
+])
+def test_a_name_this_torch_lacks_is_a_newer_format(tmp_path, old, new, kind):
     ckpt = _saved(tmp_path / "newer")
-    _rewrite_with_global(ckpt, "torch.distributed.checkpoint.metadata", "MetadataV9")
-    with pytest.raises(UnsupportedFormatError, match="MetadataV9, which torch .* does not have"):
+    _rewrite_with_global(ckpt, old, new)
+    with pytest.raises(UnsupportedFormatError, match=f"{new}, which torch .* does not have .*{kind}"):
         dist_ckpt.load_plain_tensors(ckpt)
-    hostile = _saved(tmp_path / "hostile")
-    _rewrite_with_global(hostile, "torch.distributed.checkpoint.metadata", "torch")  # exists there: refused
+
+
+@pytest.mark.parametrize("new", ["torch.distributed.checkpoint.metadata.torch", "os.system", "torch.nn.Module",
+                                 "torch.distributed.checkpoint._experimental.anything.Class"])
+def test_a_name_this_torch_has_or_that_is_not_torch_stays_an_unsafe_pickle(tmp_path, new):
+    ckpt = _saved(tmp_path / "hostile")
+    _rewrite_with_global(ckpt, _METADATA, new)
     with pytest.raises(dist_ckpt.UnsafePickleError):
-        dist_ckpt.load_plain_tensors(hostile)
+        dist_ckpt.load_plain_tensors(ckpt)
 
 
 # -- the writer record ----------------------------------------------------------------------------------

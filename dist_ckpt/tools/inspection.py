@@ -3,7 +3,8 @@
 Per tensor key: dtype, global shape, bytes, the number of stored chunks and who wrote them
 (torch_dist / DCP: the ranks, from the ``__<rank>_<n>.distcp`` files holding the chunks; zarr:
 chunk files, writers not recorded; safetensors: the file). Totals per top-level key prefix
-(``model`` vs ``optimizer`` in Megatron's naming), the backends and their versions.
+(``model`` vs ``optimizer`` in Megatron's naming), the backends and their versions, and the
+dist_ckpt, torch and Python versions that wrote it (where its writer record says).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..runtime.timing import phase
 from ..serialization import load_common_state_dict, load_sharded_metadata
 from ..storage.formats import describe_format, detect_checkpoint_config
 from ..storage.object_store import localize
+from ..storage.writer_record import WriterRecord, read_writer_record
 from ..strategies.torch_dist import TorchDistLoadShardedStrategy, read_dcp_metadata
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
@@ -52,6 +54,8 @@ class CheckpointSummary:
     common_keys: List[str]
     totals: Dict[str, Dict[str, int]]  # prefix -> {"tensors": n, "bytes": b}
     total_bytes: int
+    #: the versions that wrote it ({"dist_ckpt", "torch", "python"}), None where not recorded
+    writer: Optional[Dict[str, str]] = None
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -97,6 +101,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
         stored = _chunks_and_writers(directory, backend)
         metadata = load_sharded_metadata(directory)
         manifest_version = _manifest_version(directory)
+        record = read_writer_record(directory)
     with phase("common state"):
         common = load_common_state_dict(directory)
     tensors: Dict[str, TensorSummary] = {}
@@ -122,6 +127,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
         config.common_backend if config else None, config.common_backend_version if config else None,
         manifest_version, tensors, sorted(objects), sorted(map(str, common)),
         dict(sorted(totals.items())), sum(t.bytes for t in tensors.values()),
+        writer=None if record is None else asdict(record),
     )
 
 
@@ -158,6 +164,8 @@ def format_summary(s: CheckpointSummary) -> str:
         lines.append(f"  sharded backend {s.sharded_backend} v{s.sharded_backend_version}, common backend "
                      f"{s.common_backend} v{s.common_backend_version}"
                      + (f", manifest v{s.manifest_version}" if s.manifest_version is not None else ", no manifest"))
+        lines.append("  writer not recorded" if s.writer is None else
+                     f"  written by {WriterRecord(**s.writer).describe()}")
     width = max([40] + [len(k) for k in s.tensors])
     for key, t in s.tensors.items():
         chunks = "?" if t.chunks is None else str(t.chunks)

@@ -13,6 +13,7 @@ its stream transforms but replaces unpickling and item reads with checked versio
 from __future__ import annotations
 
 import copy
+import importlib.machinery
 import io
 import math
 import os
@@ -298,25 +299,42 @@ def _dcp_metadata_allowlist() -> Dict[str, Any]:
 
 def load_dcp_metadata_pickle(file: Any, what: str) -> Any:
     """Unpickle a DCP ``.metadata`` with the allowlist above (nothing else imported or called).
-    A DCP class the running torch does not have is a newer torch's format
+    A DCP class or a dtype the running torch does not have is a newer torch's format
     (``UnsupportedFormatError``), not an unsafe pickle."""
-    return safe_pickle_load(file, what, _dcp_metadata_allowlist(), refused=_newer_dcp_class)
+    return safe_pickle_load(file, what, _dcp_metadata_allowlist(), refused=_newer_torch_name)
 
 
-_DCP_MODULE = "torch.distributed.checkpoint."
+_DCP_PACKAGE = "torch.distributed.checkpoint"
 
 
-def _newer_dcp_class(name: str) -> Optional[Exception]:
-    """Our error for a refused global that names a DCP class this torch lacks (a newer torch
-    wrote the index); None for anything else (refused as unsafe)."""
-    if not name.startswith(_DCP_MODULE):
-        return None
+def _newer_torch_name(name: str) -> Optional[Exception]:
+    """Our error for a refused global that a newer torch would resolve: a name directly in
+    ``torch`` (a dtype: torch 2.15 added ``bcomplex32``) or in DCP's package that the running
+    torch does not have; None for anything else, which stays refused as unsafe. Nothing is
+    imported: modules are looked up among those loaded, or found without running them."""
     module_name, _, attr = name.rpartition(".")
+    if module_name != "torch" and module_name != _DCP_PACKAGE and not module_name.startswith(_DCP_PACKAGE + "."):
+        return None
     module = sys.modules.get(module_name)
+    if module is None and _is_missing(module_name) is not True:
+        return None  # it may exist here, unloaded: refused as unsafe, not guessed at
     if module is not None and hasattr(module, attr):
         return None  # it exists here and is not allowed: refused as unsafe
     return UnsupportedFormatError(f"it names {name}, which torch {torch.__version__} does not have (a newer "
-                                  f"torch's DCP format)")
+                                  f"torch's {'dtype or class' if module_name == 'torch' else 'DCP format'})")
+
+
+def _is_missing(module_name: str) -> Optional[bool]:
+    """Whether the running torch lacks module ``module_name``, found from its nearest loaded
+    package without importing anything; None where that cannot be told without importing."""
+    parent_name, _, last = module_name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is None:
+        return _is_missing(parent_name) if "." in parent_name else None
+    path = getattr(parent, "__path__", None)
+    if path is None:
+        return True  # a plain module has no submodules
+    return importlib.machinery.PathFinder.find_spec(last, list(path)) is None
 
 
 _MAX_COUNT = 1 << 62  # no tensor has more elements (or a larger dimension) than this
