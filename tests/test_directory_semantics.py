@@ -76,8 +76,8 @@ def test_resave_replaces_a_committed_checkpoint_with_a_warning_and_keeps_other_f
     _assert_intact(ckpt, foreign)
     # nothing of the old checkpoint is left over (a zarr one had array directories)
     assert sorted(p.name for p in ckpt.iterdir()) == sorted(
-        [".metadata", "__0_0.distcp", "common.pt", "dist_ckpt_manifest.json", "metadata.json",
-         "modelopt_state", "config.yaml", "config_link.yaml"])
+        [".metadata", "__0_0.distcp", "common.pt", "dist_ckpt_manifest.json", "dist_ckpt_writer.json",
+         "metadata.json", "modelopt_state", "config.yaml", "config_link.yaml"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000100"]
 
 

@@ -484,7 +484,8 @@ def test_validate_says_what_it_checked_without_a_manifest(fixtures_dir: Path, ru
                         "or older checkpoint); 0 problems)"), out
     assert "0 checksums" not in out
     assert main(["validate", str(runs / "iter_100")]) == 0
-    assert "4 checksums verified in 4 files; structure and coverage of 1 tensors" in capsys.readouterr().out
+    # .metadata, the data file, common.pt, metadata.json and the writer record
+    assert "5 checksums verified in 5 files; structure and coverage of 1 tensors" in capsys.readouterr().out
 
 
 def test_partial_request_in_one_process_explains_validate_access_integrity(runs: Path) -> None:

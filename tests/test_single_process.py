@@ -46,7 +46,8 @@ def test_all_dtypes_nested_structure_objects_round_trip(tmp_path):
         "local": LocalNonpersistentObject("not saved"),
     }
     dist_ckpt.save(sd, tmp_path / "c")
-    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "common.pt", "dist_ckpt_manifest.json", "metadata.json"]
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.distcp", "common.pt", "dist_ckpt_manifest.json",
+                                                  "dist_ckpt_writer.json", "metadata.json"]
     request = {
         "model": {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v)) for k, v in tensors.items()},
         "mixed_list": [ShardedTensor.from_rank_offsets("l0", torch.zeros(5, 3)), None, None,

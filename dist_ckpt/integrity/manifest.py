@@ -275,11 +275,14 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         raise CorruptCheckpointError(f"{where} is not a dist_ckpt manifest")
     version = content.get("version")
     if version not in _READABLE_VERSIONS or isinstance(version, bool) or content.get("hash") != HASH_ALGORITHM:
-        newer = type(version) is int and version > MANIFEST_VERSION
+        # a newer dist_ckpt's document, if it ends with its own hash as version 4 does (a damaged
+        # version field does not match it)
+        newer = type(version) is int and version > MANIFEST_VERSION and _self_hash_matches(raw)
         raise (UnsupportedFormatError if newer else CorruptCheckpointError)(
             f"{where}: manifest version {content.get('version')!r} / hash {content.get('hash')!r} is not "
             f"supported by this dist_ckpt ({__version__}; it reads versions {_READABLE_VERSIONS} / "
-            f"{HASH_ALGORITHM})" + ("; a newer dist_ckpt wrote it (not damage): upgrade dist_ckpt" if newer else "")
+            f"{HASH_ALGORITHM})" + ("; a newer dist_ckpt wrote it (not damage): upgrade dist_ckpt" if newer else
+                                        "; damaged, or written by a newer dist_ckpt")
         )
     unknown = set(content) - {"format", "version", "hash", "entries"} - ({"manifest_hash"} if version >= 4 else set())
     if unknown:

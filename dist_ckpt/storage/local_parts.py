@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 
 from .._version import __version__
-from ..core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError, UnsupportedFormatError
+from ..core import CheckpointExistsError, CheckpointingException, CorruptCheckpointError
 from ..integrity.manifest import hash_bytes, new_hasher
 from ..integrity.safe_unpickle import globals_by_name, plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ..runtime.devices import (DeviceCopies, accelerator_in_use, host_buffer, host_copy, is_host_memory,
@@ -367,9 +367,11 @@ def _frame(size: int, read_at: Callable[[int, int], Any], where: str) -> Tuple[i
     if magic != MAGIC or tail != MAGIC:
         raise CorruptCheckpointError(f"{what} is not a complete dist_ckpt local part (truncated or overwritten)")
     if version not in _READABLE_VERSIONS:
-        raise UnsupportedFormatError(f"{what} has format version {version}; this dist_ckpt ({__version__}) reads "
-                                     f"versions {', '.join(map(str, _READABLE_VERSIONS))}: a newer dist_ckpt wrote "
-                                     f"it (not damage)")
+        # no hash covers the preamble: a newer writer and a damaged byte look alike, and either
+        # way the tier takes the part from a peer or the persistent tier
+        raise CorruptCheckpointError(f"{what} has format version {version}, which this dist_ckpt ({__version__}) "
+                                     f"does not read (it reads {', '.join(map(str, _READABLE_VERSIONS))}): written "
+                                     f"by a newer dist_ckpt, or damaged")
     if table_offset + table_len != size - _TRAILER.size:
         raise CorruptCheckpointError(f"{what} has an inconsistent trailer")
     raw_table = read_at(table_offset, table_len)

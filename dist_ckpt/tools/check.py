@@ -27,6 +27,7 @@ from ..runtime.timing import phase
 from ..serialization import load_sharded_metadata
 from ..storage.entries import checkpoint_entries
 from ..storage.object_store import is_url, local_copy, localize
+from ..storage.writer_record import WRITER_FNAME
 from ..validation import verify_checkpoint_and_load_strategy
 
 __all__ = ["ValidationReport", "validate_checkpoint"]
@@ -190,7 +191,7 @@ def _structure_extent(directory: Path, sharded) -> "tuple[int, int]":
     except Exception:  # noqa: BLE001 - already reported by check_structure
         tensors = 0
     files = 0
-    for entry in checkpoint_entries(directory) - {CONFIG_FNAME, MANIFEST_FNAME}:
+    for entry in checkpoint_entries(directory) - {CONFIG_FNAME, MANIFEST_FNAME, WRITER_FNAME}:
         path = directory / entry
         files += sum(1 for p in path.rglob("*") if p.is_file()) if path.is_dir() else int(path.is_file())
     return tensors, files

@@ -104,7 +104,13 @@ def portable_metadata_bytes(metadata: Metadata) -> bytes:
 
 class _PortableTensorProperties(TensorProperties):
     """A ``TensorProperties`` that pickles as torch's class in the five-field form, whoever
-    pickles it (a user's storage writer calls plain ``pickle.dump``)."""
+    pickles it (a user's storage writer calls plain ``pickle.dump``). Its ``__class__`` answers
+    torch's class: the pickler checks an object's ``__class__`` against the class its reduction
+    names (``copyreg.__newobj__``), the form torch itself pickles to."""
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # type: ignore[override]
+        return TensorProperties
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         return _five_fields(self)
@@ -121,8 +127,8 @@ def portable_metadata(metadata: Metadata) -> Metadata:
     def converted(properties: TensorProperties) -> TensorProperties:
         key = id(properties)
         if key not in portable:
-            copied = copy.copy(properties)
-            copied.__class__ = _PortableTensorProperties
+            copied = object.__new__(_PortableTensorProperties)
+            copied.__dict__.update(properties.__dict__)
             portable[key] = copied
         return portable[key]
 
