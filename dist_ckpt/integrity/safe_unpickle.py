@@ -357,16 +357,15 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 class _TrustedUnpickler(pickle.Unpickler):
-    """Unrestricted (``trusted_unpickling``), but a name ``allowed`` lists resolves to what it
-    lists there, as in a restricted load: a format module's stand-in (a class that reads every
-    torch release's state) serves trusted loads too."""
+    """Unrestricted (``trusted_unpickling``), but for the ``stand_ins`` a format module names (a
+    class that reads every torch release's state): they serve trusted loads as restricted ones."""
 
-    def __init__(self, file: IO[bytes], allowed: Dict[str, Any]) -> None:
+    def __init__(self, file: IO[bytes], stand_ins: Dict[str, Any]) -> None:
         super().__init__(file)
-        self._allowed = allowed
+        self._stand_ins = stand_ins
 
     def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get(f"{module}.{name}")
+        found = self._stand_ins.get(f"{module}.{name}")
         return found if found is not None else super().find_class(module, name)
 
 
@@ -383,21 +382,24 @@ def globals_by_name(entries: Iterable[Any]) -> Dict[str, Any]:
 @gc_paused()
 def safe_pickle_load(file: IO[bytes], what: str, allowed: Dict[str, Any],
                      persistent_load: Optional[Callable[[Any], Any]] = None,
-                     refused: Optional[Callable[[str], Optional[Exception]]] = None) -> Any:
+                     refused: Optional[Callable[[str], Optional[Exception]]] = None,
+                     stand_ins: Optional[Dict[str, Any]] = None) -> Any:
     """``pickle.load`` that resolves only the globals in ``allowed`` (full name -> object) and
     those of ``add_safe_globals``; ``what`` names the file in errors. Nothing else is imported
     or called. ``persistent_load`` resolves the pickle's persistent ids (e.g. tensors stored
-    beside it). ``refused(name)`` may name a better error than an unsafe pickle for a global
-    outside the allowlist (a format module knows a newer release's class when it sees one); our
-    own errors raised while unpickling (an allowlisted class refusing a state it does not know)
-    pass through as they are. Without garbage collection while it runs (``gc_paused``: an index
-    of many chunks is hundreds of thousands of small objects)."""
+    beside it). ``stand_ins`` resolve names to other objects, in trusted loads too (a class that
+    reads every torch release's state of the one it stands in for). ``refused(name)`` may name a
+    better error than an unsafe pickle for a global outside the allowlist (a format module knows
+    a newer release's class when it sees one); our own errors raised while unpickling (an
+    allowlisted class refusing a state it does not know) pass through as they are. Without
+    garbage collection while it runs (``gc_paused``: an index of many chunks is hundreds of
+    thousands of small objects)."""
     if is_trusted_unpickling():
-        unpickler = _TrustedUnpickler(file, allowed)
+        unpickler = _TrustedUnpickler(file, stand_ins or {})
         if persistent_load is not None:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         return unpickler.load()
-    allowed = {**globals_by_name(get_safe_globals()), **allowed}
+    allowed = {**globals_by_name(get_safe_globals()), **allowed, **(stand_ins or {})}
     try:
         return _RestrictedUnpickler(file, allowed, persistent_load, refused).load()
     except CheckpointingException:

@@ -105,7 +105,8 @@ def parse_writer_record(raw: bytes) -> Optional[WriterRecord]:
 def read_writer_record(checkpoint_dir: Union[str, Path]) -> Optional[WriterRecord]:
     """The checkpoint's writer, or None where it is not recorded (or not readable)."""
     try:
-        raw = (Path(checkpoint_dir) / WRITER_FNAME).read_bytes()
+        with open(Path(checkpoint_dir) / WRITER_FNAME, "rb") as f:
+            raw = f.read(_MAX_BYTES + 1)  # a larger file is not ours: not read whole
     except OSError:
         return None
     return parse_writer_record(raw)

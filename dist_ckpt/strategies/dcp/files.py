@@ -285,8 +285,6 @@ def _dcp_metadata_allowlist() -> Dict[str, Any]:
             obj = getattr(module, name, None)
             if isinstance(obj, type) and obj.__module__ == module.__name__:
                 allowed[f"{module.__name__}.{name}"] = obj
-    # five fields (torch <= 2.14) or six (2.15's strides), whichever torch runs
-    allowed["torch.distributed.checkpoint.metadata.TensorProperties"] = TensorPropertiesOfAnyRelease
     allowed["torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"] = dcp_md._MEM_FORMAT_ENCODING
     allowed["torch.distributed.checkpoint.filesystem._StorageInfo"] = dcp_fs._StorageInfo
     allowed["torch.distributed.checkpoint.filesystem._StoragePrefix"] = dcp_fs._StoragePrefix
@@ -301,7 +299,11 @@ def load_dcp_metadata_pickle(file: Any, what: str) -> Any:
     """Unpickle a DCP ``.metadata`` with the allowlist above (nothing else imported or called).
     A DCP class or a dtype the running torch does not have is a newer torch's format
     (``UnsupportedFormatError``), not an unsafe pickle."""
-    return safe_pickle_load(file, what, _dcp_metadata_allowlist(), refused=_newer_torch_name)
+    return safe_pickle_load(file, what, _dcp_metadata_allowlist(), refused=_newer_torch_name, stand_ins=_STAND_INS)
+
+
+# five fields (torch <= 2.14) or six (2.15's strides), whichever torch runs
+_STAND_INS = {"torch.distributed.checkpoint.metadata.TensorProperties": TensorPropertiesOfAnyRelease}
 
 
 _DCP_PACKAGE = "torch.distributed.checkpoint"
@@ -398,13 +400,16 @@ def _validate_item_metadata(path: Path, key: Any, md: Any) -> None:
             )
 
 
-def newer_format_error(path: Path, what: str) -> UnsupportedFormatError:
-    """The error for an index in a form the running torch cannot read: ``what`` it holds, who
-    wrote the checkpoint (its writer record) and what to install."""
+def newer_format_error(path: Path, what: str, verified: bool) -> UnsupportedFormatError:
+    """The error for an index in a form the running torch cannot read: ``what`` it holds, whether
+    its bytes are the ones written (``verified`` against the manifest), who wrote the checkpoint
+    (its writer record) and what to install."""
+    intact = ("its bytes match their checksum, so this is not damage" if verified else
+              "no checksum was checked (no manifest, or verification off)")
     return UnsupportedFormatError(
-        f"{path} is in a DCP format this torch ({torch.__version__}) cannot read: {what}. The checkpoint is not "
-        f"damaged; {describe_writer(path.parent)}. Load it under the torch release that wrote it or a newer "
-        f"one, or with a newer dist_ckpt; a checkpoint that dist_ckpt writes loads under torch 2.11 to 2.15."
+        f"{path} is in a DCP format this torch ({torch.__version__}) cannot read: {what}. A newer format: {intact}; "
+        f"{describe_writer(path.parent)}. Load it under the torch release that wrote it or a newer one, or with "
+        f"a newer dist_ckpt; a checkpoint that dist_ckpt writes loads under torch 2.11 to 2.15."
     )
 
 
@@ -448,7 +453,8 @@ class DcpReader(FileSystemReader):
         try:
             metadata = load_dcp_metadata_pickle(io.BytesIO(content), what=str(path))
         except UnsupportedFormatError as e:
-            raise newer_format_error(path, str(e)) from None
+            verified = verification_enabled() and load_manifest(self.path) is not None
+            raise newer_format_error(path, str(e), verified) from None
         try:
             return self._checked(path, metadata)
         except (AttributeError, TypeError, ValueError, KeyError, IndexError) as e:
