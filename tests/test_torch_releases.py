@@ -35,7 +35,7 @@ from dist_ckpt.storage.writer_record import WRITER_FNAME, current_writer, read_w
 from dist_ckpt.strategies.dcp.torch_releases import TORCH_HAS_STRIDES, portable_metadata, portable_metadata_bytes
 from dist_ckpt.strategies.filesystem import FileSystemReader, FileSystemWriter
 from fixtures.torch_versions.state import (FLAT_KEY, FLAT_SHAPE, GLOBAL, common_state, global_tensor,
-                                           plain_dcp_expected, rank_object)
+                                           local_state, local_tensors, plain_dcp_expected, rank_object)
 
 ROOT = TESTS_DIR / "fixtures" / "torch_versions"
 RELEASES = sorted(p.name for p in ROOT.glob("torch*") if p.is_dir())
@@ -58,7 +58,8 @@ def test_fixtures_of_every_supported_release_are_here():
     """The claim is 2.11 to 2.15: each end, and what CI runs, must have its checkpoints."""
     assert {"torch2.11.0", "torch2.13.0", "torch2.15.0"} <= set(RELEASES), RELEASES
     for release in RELEASES:
-        assert {"w2_torch_dist", "w2_dcp_plain", "w2_dcp_plugin"} <= {p.name for p in (ROOT / release).iterdir()}
+        assert {"w2_torch_dist", "w2_dcp_plain", "w2_dcp_plugin", "local_part.bin"} <= {
+            p.name for p in (ROOT / release).iterdir()}
         assert (ROOT / release / "WRITTEN_BY").read_text().startswith(f"torch {release.removeprefix('torch')}")
 
 
@@ -251,6 +252,23 @@ def test_one_process_checkpoints_of_torch_and_dist_ckpt_0_2_load(path):
     assert all(tensors_bitwise_equal(loaded["model"][k], v) for k, v in _W1.items()) and loaded["step"] == 3
     plain = dist_ckpt.load_plain_tensors(path)
     assert all(tensors_bitwise_equal(plain[f"model.{k}"], v) for k, v in _W1.items())
+
+
+_LOCAL_PARTS = [ROOT / release / "local_part.bin" for release in RELEASES if (ROOT / release / "local_part.bin").is_file()]
+
+
+@pytest.mark.parametrize("path", _LOCAL_PARTS, ids=[p.parent.name for p in _LOCAL_PARTS])
+def test_local_tier_parts_of_every_release_load(path):
+    """A local part holds no DCP index: its tensors are raw bytes under dtype names, its state
+    plain classes (a container may restart on a newer or older torch between two saves)."""
+    from dist_ckpt.storage.local_parts import read_part
+
+    state, tensors = read_part(path)
+    expected = local_state()
+    assert {k: v for k, v in state.items() if k != "rng"} == {k: v for k, v in expected.items() if k != "rng"}
+    assert tensors_bitwise_equal(state["rng"], expected["rng"])
+    assert len(tensors) == len(local_tensors())
+    assert all(tensors_bitwise_equal(a, b) for a, b in zip(tensors, local_tensors()))
 
 
 def test_trusted_unpickling_reads_every_release_too():
