@@ -97,9 +97,10 @@ def parse_writer_record(raw: bytes) -> Optional[WriterRecord]:
     if not isinstance(content, dict) or content.get("format") != _FORMAT:
         return None
     fields = [content.get(name) for name in ("dist_ckpt", "torch", "python")]
-    if not all(isinstance(value, str) and value for value in fields):
+    versions = [value for value in fields if isinstance(value, str) and value]
+    if len(versions) != len(fields):
         return None
-    return WriterRecord(*fields)
+    return WriterRecord(*versions)
 
 
 def read_writer_record(checkpoint_dir: Union[str, Path]) -> Optional[WriterRecord]:

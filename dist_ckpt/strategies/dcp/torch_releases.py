@@ -109,7 +109,7 @@ class _PortableTensorProperties(TensorProperties):
     names (``copyreg.__newobj__``), the form torch itself pickles to."""
 
     @property  # type: ignore[misc]
-    def __class__(self) -> type:  # type: ignore[override]
+    def __class__(self) -> type:
         return TensorProperties
 
     def __reduce_ex__(self, protocol: Any) -> Any:
