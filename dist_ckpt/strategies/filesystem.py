@@ -36,6 +36,7 @@ from another thread or process still in flight is refused (``ConcurrentSaveError
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import uuid
@@ -57,6 +58,9 @@ from ..storage.object_store import is_url
 from .common import TorchCommonSaveStrategy
 from .dcp.files import DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
 from .dcp.read import READ_THREADS
+from .dcp.torch_releases import DCP_LOAD_HIDES_READER_ERRORS
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -274,9 +278,15 @@ class FileSystemReader(DcpReader):
         return isinstance(checkpoint_id, (str, os.PathLike)) and not is_url(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if not self._has_path:
-            _local_path(None, type(self).__name__)
-        return super().read_metadata(*args, **kwargs)
+        try:
+            if not self._has_path:
+                _local_path(None, type(self).__name__)
+            return super().read_metadata(*args, **kwargs)
+        except Exception as e:
+            if DCP_LOAD_HIDES_READER_ERRORS and not kwargs:  # torch retries with rank=...: logged once
+                logger.error("%s: %s (torch %s's dcp.load reports it as \"metadata is None\")",
+                             type(e).__name__, e, torch.__version__)
+            raise
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Before reading: every item must lie inside its file (hostile or truncated checkpoints

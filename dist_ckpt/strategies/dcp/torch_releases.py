@@ -20,8 +20,13 @@ of ``torch.distributed._shard`` ShardedTensors passes them on). So:
   for a user's DCP storage writer, which pickles the index itself): ``TensorProperties`` as the
   five fields every release reads, ``strides`` dropped, which no reader loses.
 
+One difference of behaviour, too: torch 2.11's ``dcp.load`` swallows the exception a storage
+reader's ``read_metadata`` raises and reports "metadata is None" (2.12 and newer name it);
+``DCP_LOAD_HIDES_READER_ERRORS`` says so, and dist_ckpt's reader then logs its error first.
+
 Private torch names this relies on, each checked by ``tests/test_torch_releases.py``: the
-``TensorProperties`` fields and its ``__getstate__`` / ``__setstate__`` tuple.
+``TensorProperties`` fields and its ``__getstate__`` / ``__setstate__`` tuple, and the message
+of ``state_dict_loader`` that names a reader's error.
 """
 
 from __future__ import annotations
@@ -33,12 +38,14 @@ import io
 import pickle
 from typing import Any, Callable, Dict, Tuple
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
 from ...core import UnsupportedFormatError
 
 __all__ = [
     "TORCH_HAS_STRIDES",
+    "DCP_LOAD_HIDES_READER_ERRORS",
     "PORTABLE_PROPERTY_FIELDS",
     "TensorPropertiesOfAnyRelease",
     "portable_metadata_bytes",
@@ -52,6 +59,9 @@ TORCH_HAS_STRIDES = "strides" in {f.name for f in dataclasses.fields(TensorPrope
 #: memory format, pin_memory)
 PORTABLE_PROPERTY_FIELDS = 5
 _FIELDS_READ = (5, 6)  # 6: torch 2.15's strides last
+#: whether the running torch's ``dcp.load`` replaces a reader's ``read_metadata`` error with
+#: "metadata is None" (2.11; 2.12 added "global metadata read failed: <the error>")
+DCP_LOAD_HIDES_READER_ERRORS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
 
 
 def property_fields(properties: TensorProperties) -> Tuple[Any, ...]:
