@@ -153,7 +153,7 @@ def test_dcp_save_and_load_through_dist_ckpt_on_two_ranks(tmp_path):
                           + (["finish"] if rank == 0 else []))
         assert out["calls"] == expected_calls, (rank, out["calls"])
         assert out["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "dist_ckpt_manifest.json",
-                                "metadata.json"], out["files"]
+                                "dist_ckpt_writer.json", "metadata.json"], out["files"]
         for flow in ("read.ours", "read.torch", "read.dist_ckpt", "torch->ours", "async", "after failure", "next save"):
             assert out[flow] is True, (rank, flow, out)
         assert out["failure"] is True, (rank, out["failure"])

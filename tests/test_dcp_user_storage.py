@@ -194,7 +194,8 @@ def test_fsspec_writer_and_reader_under_torch_dist_against_s3(tmp_path):
                      "plain dcp.load from the store"):
             assert out[flow] is True, (rank, flow, out)
         assert out["files in the save directory"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt",
-                                                      "dist_ckpt_manifest.json", "metadata.json"], out
+                                                      "dist_ckpt_manifest.json", "dist_ckpt_writer.json",
+                                                      "metadata.json"], out
 
 
 def _save_through_a_stalling_fsspec_writer(rank: int, world: int, url: str, server_pid: int) -> dict:

@@ -358,7 +358,8 @@ def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writ
     queue.close()
     in_finalize = [n for _, names in puts[finalize_from:] for n in names]
     assert in_finalize and not [n for n in in_finalize if n.endswith(".distcp")], puts  # no data while training waits
-    assert set(in_finalize) <= {"metadata.json", "common.pt", ".metadata", "dist_ckpt_manifest.json"}, in_finalize
+    assert set(in_finalize) <= {"metadata.json", "common.pt", ".metadata", "dist_ckpt_manifest.json",
+                                "dist_ckpt_writer.json"}, in_finalize
     if writer == "thread":
         background = [n for thread, names in puts[:finalize_from] for n in names if thread.startswith("dist_ckpt-async")]
         assert background and all(n.endswith(".distcp") for n in background), puts
