@@ -61,8 +61,8 @@ def _files(root):
 def test_three_rank_zarr_save_matches_megatron_core_0_10_layout(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_distributed(_save_like_fixture, 3, str(ckpt))
-    # the same files, plus our checksum manifest (a file Megatron-Core ignores)
-    assert _files(ckpt) == sorted(_files(ZARR_FIXTURE) + ["dist_ckpt_manifest.json"])
+    # the same files, plus our checksum manifest and writer record (files Megatron-Core ignores)
+    assert _files(ckpt) == sorted(_files(ZARR_FIXTURE) + ["dist_ckpt_manifest.json", "dist_ckpt_writer.json"])
     assert json.loads((ckpt / "metadata.json").read_text()) == json.loads((ZARR_FIXTURE / "metadata.json").read_text())
     for key in SPEC:
         ours = json.loads((ckpt / key / ".zarray").read_text())
