@@ -79,6 +79,9 @@ class TensorPropertiesOfAnyRelease(TensorProperties):
 
     def __setstate__(self, state: Any) -> None:
         self.__class__ = TensorProperties  # type: ignore[assignment]
+        if type(state) is tuple and len(state) == 5:  # every release's form: the common case first
+            _setstate(self, state)
+            return
         if not isinstance(state, tuple) or len(state) not in _FIELDS_READ:
             found = f"a state of {len(state)} fields" if isinstance(state, tuple) else f"a {type(state).__name__}"
             raise UnsupportedFormatError(
@@ -90,7 +93,10 @@ class TensorPropertiesOfAnyRelease(TensorProperties):
                     f"its TensorProperties hold strides {str(strides)[:60]}, not a tuple of ints (a newer torch's form)")
             if not TORCH_HAS_STRIDES:
                 state = state[:5]  # this torch has no such field, and no loader reads it
-        TensorProperties.__setstate__(self, state)
+        _setstate(self, state)
+
+
+_setstate = TensorProperties.__setstate__
 
 
 def _five_fields(properties: TensorProperties) -> Tuple[Callable[..., Any], Tuple[Any, ...], Tuple[Any, ...]]:
