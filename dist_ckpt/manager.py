@@ -196,6 +196,9 @@ class CheckpointManager:
         self.failed_steps: List[Step] = []  # saves that failed (on_error="warn")
         self.loaded_step: Optional[Step] = None  # the step the last load() loaded
         self._resumed_from: Optional[Step] = None  # kept by retention until a save of this run commits
+        # whether the local parts of the steps this run owns (every step after the one it resumed
+        # from, all of them when it resumed from none) were cleared of an earlier run's leftovers
+        self._local_steps_claimed = False
         self.loaded_tier: Optional[str] = None  # "local" or "persistent": where the last load() came from
         self.persistent_every = _positive_or_none("persistent_every", persistent_every)
         self.local_every = _positive_or_none("local_every", local_every)
@@ -215,6 +218,7 @@ class CheckpointManager:
         tier = self._tier_of(step)
         if tier is None:
             return
+        self._claim_local_steps()
         name = checkpoint_dir_name(step)
         if self._pending:
             if self.max_pending is None:
@@ -246,6 +250,18 @@ class CheckpointManager:
         self._schedule(step, request)
         if blocking:
             self.wait()
+
+    def _claim_local_steps(self) -> None:
+        """Before this run's first save: every local part of a step after the one it resumed from
+        (of every step, when it found nothing to resume or never asked) was left by an earlier
+        run - a save a kill cut short, complete on some ranks only - and goes. Else the save of
+        such a step would find its own old part and refuse to replace it
+        (``SameMachineReplicationException`` on every rank), and a complete step of the abandoned
+        branch could later be resumed instead of this run's. Each rank clears its own directory."""
+        if self.local is None or self._local_steps_claimed:
+            return
+        self.local.discard_newer_than(self._resumed_from if isinstance(self._resumed_from, int) else -1)
+        self._local_steps_claimed = True
 
     def _choose_base(self) -> None:
         """The base of the next incremental save: the checkpoint a resume would load now (the
@@ -558,8 +574,8 @@ class CheckpointManager:
         self.loaded_step = step
         self.loaded_tier = tier
         self._resumed_from = step
-        if self.local is not None and isinstance(step, int):
-            self.local.discard_newer_than(step)
+        self._local_steps_claimed = False
+        self._claim_local_steps()
 
     def close(self) -> None:
         """Wait for pending saves and stop the background writer."""

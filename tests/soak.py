@@ -1,6 +1,6 @@
 """A randomized, seeded soak of the failures a training job meets: SIGKILL of a 2-rank
 CheckpointManager job with asynchronous saves (persistent tier, and with the local tier on
-tmpfs), a full disk (a small tmpfs; needs root to mount), and single-bit flips in every kind of
+tmpfs; also early, in a fresh job's first saves), a full disk (a small tmpfs; needs root to mount), and single-bit flips in every kind of
 file of a checkpoint.
 
 Each trial holds when: the resume loads the newest committed step bit-exactly (or, with the
@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,11 +131,23 @@ def _newest_committed(root: Path) -> Optional[int]:
     return committed[-1] if committed else None
 
 
+def _newest_complete_local(shm: Path, world: int) -> Optional[int]:
+    """The newest local step with every rank's part (own or a copy) complete in ``shm``, read
+    from the files: a resume must load it or a newer step."""
+    owners: Dict[int, set] = {}
+    for part in shm.glob("*/*/iter_*_local.pt"):
+        _, step, owner, _ = part.name.split("_", 3)
+        owners.setdefault(int(step), set()).add(int(owner))
+    complete = [step for step, have in owners.items() if have == set(range(world))]
+    return max(complete, default=None)
+
+
 def _resume(rank: int, world: int, root: str, shm: Optional[str]) -> Dict[str, object]:
     """The resumed job: load, check, validate, save the next step, check what is left."""
     import torch.distributed as dist
 
     expected = _newest_committed(Path(root))
+    expected_local = _newest_complete_local(Path(shm), world) if shm is not None else None
     dist.barrier()
     manager = _manager(root, shm)
     outcome: Dict[str, object] = {"expected": expected}
@@ -143,7 +155,8 @@ def _resume(rank: int, world: int, root: str, shm: Optional[str]) -> Dict[str, o
         loaded = manager.load(_request(rank, world))
     except dist_ckpt.CheckpointNotFoundError as e:
         outcome["loaded"] = None
-        outcome["problem"] = None if expected is None and shm is None else f"no checkpoint loaded: {e}"
+        outcome["problem"] = (None if expected is None and expected_local is None else
+                              f"no checkpoint loaded (committed: {expected}, complete locally: {expected_local}): {e}")
         step = 0
     else:
         step = int(manager.loaded_step)  # type: ignore[arg-type]
@@ -153,6 +166,8 @@ def _resume(rank: int, world: int, root: str, shm: Optional[str]) -> Dict[str, o
             wrong = f"loaded step {step}, the newest committed is {expected}"
         elif shm is not None and expected is not None and step < expected:
             wrong = f"loaded step {step} ({manager.loaded_tier}), older than the committed {expected}"
+        elif expected_local is not None and step < expected_local:
+            wrong = f"loaded step {step} ({manager.loaded_tier}), older than the local step {expected_local}"
         outcome["problem"] = wrong
         if rank == 0 and manager.loaded_tier == "persistent":
             report = validate_checkpoint(Path(root) / f"iter_{step:07d}")
@@ -170,11 +185,14 @@ def _resume(rank: int, world: int, root: str, shm: Optional[str]) -> Dict[str, o
     return outcome
 
 
-def kill_trial(rng: random.Random, work: Path, local: bool) -> Optional[str]:
+def kill_trial(rng: random.Random, work: Path, local: bool, window_s: Tuple[float, float] = (2.0, 9.0)) -> Optional[str]:
+    """Kill a job ``window_s`` seconds (uniformly drawn) after its group started, resume it.
+    An early window (the first 50 ms: a small state saves in 25 ms) kills a fresh job in its first saves, before anything
+    committed: the resumed job finds nothing and starts afresh over what the kill left."""
     root = work / "run"
     shm = f"/dev/shm/dist_ckpt_soak_{os.getpid()}_{work.name}" if local else None
     try:
-        kill_after = rng.uniform(2.0, 9.0)
+        kill_after = rng.uniform(*window_s)
         run_processes(_train_until_killed, 2, str(root), shm, kill_after, deadline_s=120)
         results = run_distributed(_resume, 2, str(root), shm)
     finally:
@@ -287,7 +305,8 @@ def flip_trial(rng: random.Random, work: Path, scratch: Path) -> Optional[str]:
 
 
 # A kill trial takes ~20 s (two 2-rank jobs), the others a fraction of a second.
-KINDS: Dict[str, float] = {"flip": 0.72, "disk_full": 0.16, "kill_persistent": 0.06, "kill_local": 0.06}
+KINDS: Dict[str, float] = {"flip": 0.70, "disk_full": 0.15, "kill_persistent": 0.05, "kill_local": 0.05,
+                           "kill_local_early": 0.05}
 
 
 @dataclass
@@ -309,6 +328,7 @@ def run_trial(index: int, kind: str, seed: int, scratch: Path) -> TrialResult:
             "disk_full": lambda: disk_full_trial(rng, work),
             "kill_persistent": lambda: kill_trial(rng, work, local=False),
             "kill_local": lambda: kill_trial(rng, work, local=True),
+            "kill_local_early": lambda: kill_trial(rng, work, local=True, window_s=(0.0, 0.05)),
         }
         problem = runners[kind]()
     finally:

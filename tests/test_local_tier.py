@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -805,3 +806,85 @@ def test_the_first_save_after_a_local_resume_replaces_a_part_of_the_abandoned_st
         shutil.rmtree(shm, ignore_errors=True)
     assert [r["resumed"] for r in results] == [(5, "local")] * 2
     assert [r["after"] for r in results] == [(6, "local")] * 2
+
+
+def _local_manager(root: str, shm: str, replication: int):
+    from dist_ckpt import CheckpointManager
+
+    return CheckpointManager(f"{root}/persistent", keep_last=2, async_save=True, local_dir=shm, local_every=1,
+                             persistent_every=4, local_replication_factor=replication, local_replication_jump=1)
+
+
+def _die_after_one_rank_wrote_its_part_of_step_1(rank: int, world: int, root: str, shm: str, replication: int) -> None:
+    """The first local save of a fresh job, cut by SIGKILL on every rank after rank 0's own part
+    of step 1 was written and before anything committed. Without replication only rank 0 runs
+    the tier's own write; with it both ranks save and exchange copies, then rank 1's part (and
+    its copy) is removed: rank 1 had not written it, rank 0's copy reached rank 1."""
+    import signal
+
+    import torch.distributed as dist
+
+    manager = _local_manager(root, shm, replication)
+    local = manager.local.manager
+    if replication == 1:
+        request = manager.local.save(1, _state(rank, world, 1), use_async=True)  # collective
+        if rank == 0:
+            request.async_fn(*request.async_fn_args)  # the write, without the finalization that commits
+    else:
+        manager.save(1, _state(rank, world, 1), blocking=True)
+        local._local_ckpt_path_from_id((1, 1, local.session_id)).unlink()  # rank 1's part, and rank 0's copy
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _start_afresh(rank: int, world: int, root: str, shm: str, replication: int, loads: bool) -> dict:
+    """The restarted job: nothing to resume (or no attempt to), so it starts at step 1 again."""
+    from dist_ckpt import CheckpointNotFoundError
+
+    manager = _local_manager(root, shm, replication)
+    seen: dict = {}
+    if loads:
+        try:
+            manager.load(_request(rank, world))
+        except CheckpointNotFoundError as e:
+            seen["nothing_to_resume"] = str(e)
+    for step in (1, 2):
+        manager.save(step, _state(rank, world, 10 * step))
+    manager.wait()
+    manager.close()
+    again = _local_manager(root, shm, replication)
+    loaded = again.load(_request(rank, world))
+    seen["resumed"] = (again.loaded_step, again.loaded_tier)
+    _check_restored(loaded, rank, world, 20)
+    local = again.local.manager
+    seen["files"] = sorted(p.name for p in local.local_ckpt_dir.iterdir())
+    again.close()
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replication", [1, 2])
+def test_a_fresh_start_after_an_early_kill_saves_over_the_leftover_part(tmp_path, replication):
+    """A part of step 1 left by a job killed before anything committed belongs to no step the
+    restarted job resumed from (there is none): its first save replaces it, whether or not it
+    asked for a resume first (it raised SameMachineReplicationException on every rank)."""
+    from dist_ckpt.runtime.launch import run_processes
+
+    for loads in (True, False):
+        shm = f"/dev/shm/dist_ckpt_test_{os.getpid()}_{tmp_path.name}_{loads}"
+        root = str(tmp_path / f"loads_{loads}")
+        try:
+            outcomes = run_processes(_die_after_one_rank_wrote_its_part_of_step_1, 2, root, shm, replication,
+                                     deadline_s=300)
+            assert [o.exitcode for o in outcomes] == [-9, -9]
+            leftovers = sorted(p.relative_to(shm).as_posix() for p in Path(shm).rglob("iter_*"))
+            assert leftovers and all("iter_0000001_0_local.pt" in p for p in leftovers), leftovers
+            results = run_distributed(_start_afresh, 2, root, shm, replication, loads)
+        finally:
+            shutil.rmtree(shm, ignore_errors=True)
+        for rank, seen in enumerate(results):
+            assert ("nothing_to_resume" in seen) == loads
+            assert seen["resumed"] == (2, "local")
+            own = [f"iter_0000002_{rank}_local.pt"]
+            copies = [f"iter_0000002_{1 - rank}_local.pt"] if replication == 2 else []
+            assert seen["files"] == sorted(own + copies)
