@@ -67,7 +67,7 @@ from .tensor_aware_state_dict import StateMismatchError
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError",
-           "IdenticalCheckpointError"]
+           "IdenticalCheckpointError", "default_local_session"]
 
 RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -207,7 +207,7 @@ class CheckpointManager:
             if self.local_every is None or self.persistent_every is None:
                 raise ValueError("a local tier needs local_every (its steps) and persistent_every (the steps "
                                  "saved to root; the local tier takes the others)")
-            session = local_session if local_session is not None else _session_of(str(self.root))
+            session = local_session if local_session is not None else default_local_session(str(self.root))
             self.local = LocalTier(local_dir, session, local_replication_factor, local_replication_jump)
 
     # -- saving ------------------------------------------------------------------------------
@@ -598,7 +598,8 @@ def _positive_or_none(name: str, value: Optional[int]) -> Optional[int]:
     return value
 
 
-def _session_of(root: str) -> str:
-    """A local session name unique to the run's root (readable prefix, hash of the whole)."""
+def default_local_session(root: str) -> str:
+    """The local tier's session name of the run at ``root`` (``str`` of the manager's ``root``):
+    unique to the root, with a readable prefix and a hash of the whole."""
     tail = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rstrip("/").rsplit("/", 1)[-1])[:40] or "run"
     return f"{tail}-{hash_bytes(root.encode())[:12]}"

@@ -485,7 +485,7 @@ def test_validate_says_what_it_checked_without_a_manifest(fixtures_dir: Path, ru
     assert "0 checksums" not in out
     assert main(["validate", str(runs / "iter_100")]) == 0
     # .metadata, the data file, common.pt, metadata.json and the writer record
-    assert "5 checksums verified in 5 files; structure and coverage of 1 tensors" in capsys.readouterr().out
+    assert "5 checksums verified in 5 files; structure and coverage of 1 tensor checked" in capsys.readouterr().out
 
 
 def test_partial_request_in_one_process_explains_validate_access_integrity(runs: Path) -> None:
@@ -538,17 +538,18 @@ def test_save_without_sharded_tensors_warns_that_all_goes_to_common_pt(tmp_path:
 
 
 def test_help_lists_every_command_with_its_arguments_and_an_example(tmp_path: Path) -> None:
-    from dist_ckpt.tools.cli import build_parser
+    from dist_ckpt_cli import build_parser
 
     text = build_parser().format_help()
     for usage in ["dist-ckpt demo [--dir DIR] [--save-ranks N] [--load-ranks N]",
                   "dist-ckpt convert --backend BACKEND [--version VERSION] [--overwrite] SRC DST",
-                  "dist-ckpt inspect [--json] CKPT", "dist-ckpt diff A B", "dist-ckpt validate CKPT",
-                  "dist-ckpt clean PATH", "dist-ckpt strategies", "dist-ckpt export"]:
+                  "dist-ckpt inspect [--json] CKPT", "dist-ckpt diff [--tensors-only] A B", "dist-ckpt validate CKPT",
+                  "dist-ckpt clean PATH", "dist-ckpt strategies", "dist-ckpt export",
+                  "dist-ckpt ls [--local-dir DIR] [--json] RUN"]:
         assert usage in text, usage
-    assert text.count("e.g. dist-ckpt ") == 8
+    assert text.count("e.g. dist-ckpt ") == 9
     out = _cli("--help", cwd=tmp_path)  # `python -m dist_ckpt` is the command
-    assert out.returncode == 0 and out.stdout.startswith("usage: dist-ckpt") and out.stdout.count("e.g. dist-ckpt ") == 8
+    assert out.returncode == 0 and out.stdout.startswith("usage: dist-ckpt") and out.stdout.count("e.g. dist-ckpt ") == 9
     out = _cli("convert", "--help", cwd=tmp_path)
     assert "--overwrite" in out.stdout and "example: dist-ckpt convert" in out.stdout
 

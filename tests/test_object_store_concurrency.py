@@ -370,7 +370,7 @@ def test_async_url_save_uploads_data_in_the_background(bucket, monkeypatch, writ
 # -- 18.10: CheckpointManager on an s3:// root ------------------------------------------------------
 
 
-def test_manager_on_an_s3_root_tracker_listing_retention_rollback(bucket, tmp_path, monkeypatch):
+def test_manager_on_an_s3_root_tracker_listing_retention_rollback(bucket, tmp_path, monkeypatch, capsys):
     """18.10: before, CheckpointManager("s3://bucket/run") wrote to a local directory ./s3:/bucket/run."""
     from dist_ckpt.storage.commit_order import COMMIT_ORDER_FNAME
     from dist_ckpt.manager import TRACKER_FNAME, CheckpointManager, read_tracker
@@ -399,6 +399,19 @@ def test_manager_on_an_s3_root_tracker_listing_retention_rollback(bucket, tmp_pa
     again.save(5, _state(5.0))
     assert read_tracker(root) == 5 and again.commit_order() == [4, 5] and again.latest_step() == 5
     again.close()
+    # `dist-ckpt ls` of the s3:// root
+    from dist_ckpt.tools.cli import main as cli
+
+    capsys.readouterr()
+    assert cli(["ls", root]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{root}: 2 checkpoints committed, the tracker names step 5"
+    assert [line.split()[:2] for line in lines[2:]] == [["1", "no"], ["4", "committed"], ["5", "committed,"]]
+    assert "dist_ckpt" in lines[3] and "dist_ckpt" in lines[4] and lines[4].split()[3] == "tracker's"
+    assert cli(["ls", root, "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [(c["step"], c["state"], c["files"]) for c in listing["checkpoints"]][0] == (1, "no checkpoint data", 1)
+    assert all(c["modified"] is not None and c["bytes"] > 0 for c in listing["checkpoints"])
 
 
 def test_a_stalled_server_fails_the_managers_save_and_load_within_the_deadline(bucket, s3_endpoint, caplog):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Union
 
@@ -26,7 +27,16 @@ from .object_store import SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunRoot", "LocalRunRoot", "UrlRunRoot", "open_run_root"]
+__all__ = ["RunRoot", "LocalRunRoot", "UrlRunRoot", "StoredFile", "open_run_root"]
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One file (object) under a name of the root, for listings."""
+
+    path: str  # relative to the name listed
+    size: int
+    modified: Optional[float]  # seconds since the epoch; None where the store does not say
 
 
 class RunRoot(ABC):
@@ -53,6 +63,10 @@ class RunRoot(ABC):
     @abstractmethod
     def entries(self) -> List[str]:
         """Names directly in the root."""
+
+    @abstractmethod
+    def files(self, name: str) -> List[StoredFile]:
+        """Every file under ``name`` (a checkpoint or a leftover directory, or one file)."""
 
     @abstractmethod
     def committed(self) -> List[str]:
@@ -103,6 +117,22 @@ class LocalRunRoot(RunRoot):
 
     def entries(self) -> List[str]:
         return os.listdir(self.root) if self.root.is_dir() else []
+
+    def files(self, name: str) -> List[StoredFile]:
+        top = self.root / name
+        if top.is_file():
+            stat = top.stat()
+            return [StoredFile("", stat.st_size, stat.st_mtime)]
+        out = []
+        for directory, _, names in os.walk(top):
+            for file_name in names:
+                path = Path(directory) / file_name
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:  # removed meanwhile (retention, a save's cleanup)
+                    continue
+                out.append(StoredFile(path.relative_to(top).as_posix(), stat.st_size, stat.st_mtime))
+        return out
 
     def committed(self) -> List[str]:
         return [e for e in self.entries() if self.is_committed(e)]
@@ -159,6 +189,16 @@ class UrlRunRoot(RunRoot):
             return []
         return [c.rstrip("/").rsplit("/", 1)[-1] for c in children]
 
+    def files(self, name: str) -> List[StoredFile]:
+        loc = self._loc()
+        prefix = loc.child(name)
+        try:
+            found = loc.call(f"listing {name}", "find", prefix, detail=True)
+        except CheckpointNotFoundError:
+            return []
+        return [StoredFile(path[len(prefix):].lstrip("/"), int(info.get("size") or 0), _modified(info))
+                for path, info in found.items() if info.get("type", "file") != "directory"]
+
     def committed(self) -> List[str]:
         loc = self._loc()
         found = loc.call("listing the run's checkpoints", "glob", loc.child(f"*/{CONFIG_FNAME}"))
@@ -202,6 +242,19 @@ class UrlRunRoot(RunRoot):
         """An object store has no renames and no temporary files: a removal cut short leaves a
         prefix without its pointer, which the manager removes as an uncommitted checkpoint."""
         return []
+
+
+def _modified(info: Mapping[str, Any]) -> Optional[float]:
+    """An object's modification time from an fsspec listing (S3: ``LastModified``)."""
+    value = info.get("LastModified", info.get("mtime"))
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def open_run_root(root: Union[str, os.PathLike], storage_options: Optional[Mapping[str, Any]] = None) -> RunRoot:

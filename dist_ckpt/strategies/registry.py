@@ -34,6 +34,7 @@ __all__ = [
     "StrategyRegistry",
     "StrategyInfo",
     "ENTRY_POINT_GROUP",
+    "STRATEGY_TABLE_HEADER",
     "default_registry",
     "list_strategies",
     "register_default_strategy",
@@ -94,8 +95,13 @@ class StrategyInfo:
     extra: Optional[str] = None
 
     def __str__(self) -> str:
-        state = "ok" if self.importable else f"missing library: pip install 'dist_ckpt[{self.extra}]'"
-        return f"{self.action.value:13s} {self.backend:12s} v{self.version}  {self.source:22s} {state}"
+        """A row under ``STRATEGY_TABLE_HEADER``."""
+        state = "ok" if self.importable else f"missing: pip install 'dist_ckpt[{self.extra}]'"
+        return f"{self.action.value:13s} {self.backend:12s} {'v' + str(self.version):8s} {self.source:22s} {state}"
+
+
+#: The column names over ``str(StrategyInfo)`` rows (``dist-ckpt strategies``).
+STRATEGY_TABLE_HEADER = f"{'ACTION':13s} {'BACKEND':12s} {'VERSION':8s} {'SOURCE':22s} LIBRARY"
 
 
 def _action(action: Union[StrategyAction, str]) -> StrategyAction:

@@ -29,6 +29,8 @@ from ..storage.entries import checkpoint_entries
 from ..storage.object_store import is_url, local_copy, localize
 from ..storage.writer_record import WRITER_FNAME
 from ..validation import verify_checkpoint_and_load_strategy
+from .wording import counted
+
 
 __all__ = ["ValidationReport", "validate_checkpoint"]
 
@@ -56,15 +58,16 @@ class ValidationReport:
         without saying why). ``name``: how to call the checkpoint (e.g. the URL validated
         through its local copy ``directory``)."""
         verdict = "OK" if self.ok else "INVALID" if self.problems else "UNSUPPORTED FORMAT"
-        structure = (f"structure and coverage of {self.tensors_checked} tensors checked: stored byte ranges and "
-                     f"chunk files against the sizes of {self.data_files} files")
+        structure = (f"structure and coverage of {counted(self.tensors_checked, 'tensor')} checked: stored byte ranges "
+                     f"and chunk files against the sizes of {counted(self.data_files, 'file')}")
         if self.unsupported is not None:
             structure = "structure not checked: this software cannot read its index (see above), which is not damage"
         if self.has_manifest:
-            checked = f"{self.checksums_verified} checksums verified in {self.files_checked} files; {structure}"
+            checked = (f"{counted(self.checksums_verified, 'checksum')} verified in {counted(self.files_checked, 'file')}; "
+                       f"{structure}")
         else:
             checked = f"{structure}; no checksums (no {MANIFEST_FNAME}: a Megatron-Core or older checkpoint)"
-        return f"{name or self.directory}: {verdict} ({checked}; {len(self.problems)} problems)"
+        return f"{name or self.directory}: {verdict} ({checked}; {counted(len(self.problems), 'problem')})"
 
 
 def validate_checkpoint(checkpoint_dir: Union[str, os.PathLike], *,

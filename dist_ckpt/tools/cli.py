@@ -7,9 +7,11 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, List, NoReturn, Optional
+from typing import Any, List, Optional
 
-__all__ = ["main", "build_parser"]
+from .wording import counted
+
+__all__ = ["main", "run"]
 
 
 def _inspect(source: str, storage_options: Optional[dict], as_json: bool) -> None:
@@ -17,107 +19,64 @@ def _inspect(source: str, storage_options: Optional[dict], as_json: bool) -> Non
 
     from .inspection import format_summary, summarize_checkpoint
 
+    _refuse_a_run_root(source, storage_options, "inspect")
     summary = summarize_checkpoint(source, storage_options)
     print(json.dumps(summary.to_json(), indent=2) if as_json else format_summary(summary))
 
 
-_EXAMPLES = {
-    "demo": "dist-ckpt demo --dir /tmp/dist_ckpt_demo",
-    "inspect": "dist-ckpt inspect ckpt/iter_0000100 --json",
-    "diff": "dist-ckpt diff ckpt/iter_0000100 hf_model",
-    "convert": "dist-ckpt convert ckpt/iter_0000100 ckpt_zarr/iter_0000100 --backend zarr",
-    "export": "dist-ckpt export ckpt/iter_0000100 hf_model --max-shard-size 2GB --dtype bf16",
-    "validate": "dist-ckpt validate ckpt/iter_0000100",
-    "clean": "dist-ckpt clean ckpt",
-    "strategies": "dist-ckpt strategies",
-}
+def _ls(run: str, storage_options: Optional[dict], local_dir: Optional[str], as_json: bool) -> None:
+    import json
+
+    from .listing import format_listing, list_run
+
+    listing = list_run(run, storage_options, local_dir)
+    print(json.dumps(listing.to_json(), indent=2) if as_json else format_listing(listing))
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (what is wrong and where to look), exit code 2."""
+def _refuse_a_run_root(source: str, storage_options: Optional[dict], command: str) -> None:
+    """A run's directory of checkpoints given where one checkpoint is expected: say so, and
+    name ``ls`` (which lists them) and one of them to give instead."""
+    from ..core import CheckpointNotFoundError
+    from ..storage.object_store import is_url
+    from .listing import checkpoints_in
 
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    if not is_url(source) and not os.path.isdir(source):
+        return
+    inside = checkpoints_in(source, storage_options)
+    if inside:
+        raise CheckpointNotFoundError(
+            f"{source} is a run's directory of {len(inside)} checkpoint(s) ({', '.join(inside[:3])}"
+            f"{', ...' if len(inside) > 3 else ''}), not one checkpoint: `dist-ckpt ls {source}` lists them, "
+            f"`dist-ckpt {command} {source.rstrip('/')}/{inside[-1]}` {command}s one")
 
 
-def _positive_int(text: str) -> int:
+def _require_existing(path: str) -> None:
+    """A local path that does not exist, named in one line (a URL is left to its store)."""
+    from ..core import CheckpointNotFoundError
+    from ..storage.object_store import is_url
+
+    if is_url(path):
+        return
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+        os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path} does not exist") from None
+    except OSError:  # unreadable (permissions): the command meets it and says so in the system's words
+        pass
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``dist-ckpt`` parser; ``--help`` ends with every command's usage and an example."""
-    from .. import __version__
+def _require_save_backend(backend: str) -> None:
+    """``--backend`` names a registered save backend; else argparse's words for a bad choice."""
+    from ..strategies.base import StrategyAction, list_strategies
 
-    parser = _Parser(prog="dist-ckpt", description="Distributed checkpoints, Megatron-Core compatible.",
-                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"dist-ckpt {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print a per-phase timing table to stderr")
-    parser.add_argument("--storage-options", default=None, metavar="JSON",
-                        help='fsspec options for URL sources and targets, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\' '
-                             '(S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...)')
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    backends = sorted({info.backend for info in list_strategies() if info.action == StrategyAction.SAVE_SHARDED})
+    if backend not in backends:
+        raise _UsageError(f"argument --backend: invalid choice: {backend!r} "
+                          f"(choose from {', '.join(repr(b) for b in backends)})")
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, epilog=f"example: {_EXAMPLES[name]}")
 
-    demo = command("demo", "2 gloo ranks save a GPT-like model, 3 ranks load it resharded and verify every byte")
-    demo.add_argument("--dir", default=None, help="where to write; the checkpoint is kept there as DIR/ckpt "
-                                                  "(default: a temporary directory, removed after)")
-    demo.add_argument("--save-ranks", type=_positive_int, default=2, metavar="N", help="ranks that save (default 2)")
-    demo.add_argument("--load-ranks", type=_positive_int, default=3, metavar="N", help="ranks that load (default 3)")
-    demo.add_argument("--size", default=None, metavar="SIZE",
-                      help="save and load SIZE (e.g. 1GiB) of fp32 matrices instead, beside raw file I/O of the "
-                           "same bytes (throughput of both)")
-    demo.add_argument("--manager", action="store_true",
-                      help="a short training loop on CheckpointManager: async saves, all ranks killed during one, "
-                           "a bit-exact resume")
-    inspect = command("inspect", "per tensor: dtype, shape, bytes, chunks, writers; totals per prefix; backends")
-    inspect.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL, any format")
-    inspect.add_argument("--json", action="store_true", help="one JSON document instead of text")
-    diff = command("diff", "compare two checkpoints of any format, tensor by tensor; exit code 1 when they differ")
-    diff.add_argument("a", metavar="A", help="a checkpoint directory or URL, any format")
-    diff.add_argument("b", metavar="B", help="another one")
-    convert = command("convert", "rewrite a checkpoint in another backend (one tensor in memory at a time)")
-    convert.add_argument("src", metavar="SRC", help="a checkpoint directory or URL, any format")
-    convert.add_argument("dst", metavar="DST", help="the new checkpoint's directory or URL")
-    convert.add_argument("--backend", required=True, help="target backend, e.g. torch_dist or zarr")
-    convert.add_argument("--version", type=int, default=1, help="target backend version (default 1)")
-    convert.add_argument("--overwrite", action="store_true",
-                         help="replace a checkpoint at DST once the new one is complete (other files there are kept)")
-    export = command("export", "write any checkpoint as Hugging Face safetensors shards + index, streaming")
-    export.add_argument("src", metavar="SRC", help="a checkpoint directory or URL, any format")
-    export.add_argument("dst", metavar="DST", help="a directory (new, or a model folder without weights) or URL")
-    export.add_argument("--format", choices=["safetensors"], default="safetensors")
-    export.add_argument("--max-shard-size", default="5GB", help="bytes per file: 5GB (default), 500MB, 2GiB")
-    export.add_argument("--include", default=None, metavar="REGEX", help="only keys this regular expression finds")
-    export.add_argument("--dtype", default=None, help="cast floating-point tensors: bf16, fp16, fp32")
-    export.add_argument("--rename", default=None, metavar="NAME|MODULE:FUNCTION",
-                        help="a key renamer: a registered name (dist_ckpt.key_renamers entry points), or "
-                             "module:function imported from the current directory or PYTHONPATH")
-    export.add_argument("--rename-map", default=None, metavar="FILE.json",
-                        help='key renames as JSON: {"names": {old: new}, "rules": [[regex, replacement]]}')
-    export.add_argument("--config", default=None, metavar="FILE", help="a config.json to copy into DST")
-    export.add_argument("--overwrite", action="store_true",
-                        help="replace the weights DST holds already (its other files, e.g. tokenizer, stay)")
-    command("strategies", "list registered strategies and whether their libraries are installed")
-    validate = command("validate", "check a checkpoint: structure, coverage, checksums; exit code 1 when invalid, "
-                                   "2 when its format is newer than this torch or dist_ckpt reads")
-    validate.add_argument("directory", metavar="CKPT", help="a checkpoint directory or URL")
-    clean = command("clean", "remove what interrupted saves left (staging directories), restore a checkpoint an "
-                             "interrupted overwrite moved aside; nothing else is touched")
-    clean.add_argument("path", metavar="PATH", help="a checkpoint directory, or a directory of checkpoints")
-    lines = ["commands, their arguments and an example:"]
-    for name, subparser in sub.choices.items():
-        usage = " ".join(w for w in subparser.format_usage().split()[1:] if w != "[-h]")
-        lines += [f"  {usage}", f"      e.g. {_EXAMPLES[name]}"]
-    parser.epilog = "\n".join(lines)
-    return parser
+class _UsageError(ValueError):
+    """A bad option value found once the library is imported: exit code 2, as argparse's."""
 
 
 class _Terminated(BaseException):
@@ -133,7 +92,13 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run one command; returns the exit code. Errors are one line on stderr, never a traceback:
     1 for a failure, 2 for bad options, 130 after Ctrl-C, 143 after SIGTERM."""
-    args = build_parser().parse_args(argv)
+    from dist_ckpt_cli import build_parser
+
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` (``dist_ckpt_cli.build_parser``'s) names; returns the exit code."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
@@ -163,6 +128,9 @@ def _main(args: argparse.Namespace) -> int:
     except CheckpointingException as e:
         print(f"dist-ckpt: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except _UsageError as e:
+        print(f"dist-ckpt {args.command}: error: {e} (see dist-ckpt {args.command} --help)", file=sys.stderr)
+        return 2
     except ValueError as e:  # bad option values (sizes, dtypes, patterns)
         print(f"dist-ckpt: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -205,18 +173,24 @@ def _run(args: argparse.Namespace) -> int:
             from .demo import run_demo
 
             run_demo(args.dir, args.save_ranks, args.load_ranks)
+    elif args.command == "ls":
+        _ls(args.run, storage_options, args.local_dir, args.json)
     elif args.command == "inspect":
         _inspect(args.directory, storage_options, args.json)
     elif args.command == "diff":
         from .diff import diff_checkpoints, format_report
 
+        for side in (args.a, args.b):
+            _require_existing(side)
         differences = diff_checkpoints(args.a, args.b, storage_options=storage_options,
-                                       progress=_progress_bar("comparing"))
+                                       progress=_progress_bar("comparing"), tensors_only=args.tensors_only)
         print(format_report(args.a, args.b, differences))
         return 0 if differences.same else 1
     elif args.command == "convert":
         from .convert import convert_checkpoint
 
+        _require_save_backend(args.backend)
+        _require_existing(args.src)
         convert_checkpoint(args.src, args.dst, args.backend, args.version, overwrite=args.overwrite,
                            storage_options=storage_options, progress=_progress_bar("converting"))
         print(f"converted {args.src} -> {args.dst} ({args.backend} v{args.version})")
@@ -229,11 +203,13 @@ def _run(args: argparse.Namespace) -> int:
         result = export_safetensors(args.src, args.dst, args.max_shard_size, args.include, args.dtype, rename,
                                     progress=_progress_bar("exporting"), storage_options=storage_options,
                                     overwrite=args.overwrite, config=args.config)
-        print(f"exported {result.tensors} tensors ({result.total_size} bytes) of {args.src} -> {args.dst} "
-              f"in {len(result.files)} safetensors files")
+        print(f"exported {counted(result.tensors, 'tensor')} ({result.total_size} bytes) of {args.src} -> {args.dst} "
+              f"in {counted(len(result.files), 'safetensors file')}")
     elif args.command == "validate":
         from .check import validate_checkpoint
 
+        _require_existing(args.directory)
+        _refuse_a_run_root(args.directory, storage_options, "validate")
         report = validate_checkpoint(args.directory, storage_options=storage_options,
                                      progress=_progress_bar("verifying", unit="file"))
         for warning in report.warnings:
@@ -254,10 +230,11 @@ def _run(args: argparse.Namespace) -> int:
                    else clean_leftovers(Path(args.path)))
         for path in removed:
             print(f"removed {path}")
-        print(f"{len(removed)} leftover(s) removed")
+        print(f"{counted(len(removed), 'leftover')} removed")
     elif args.command == "strategies":
-        from ..strategies.base import list_strategies
+        from ..strategies.base import STRATEGY_TABLE_HEADER, list_strategies
 
+        print(STRATEGY_TABLE_HEADER)
         for row in list_strategies():
             print(row)
     return 0

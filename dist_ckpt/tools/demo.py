@@ -138,15 +138,14 @@ def _demo_load(rank: int, world: int, ckpt: str) -> float:
 
 @contextlib.contextmanager
 def scratch_root(directory: Optional[str], name: str) -> Iterator[Path]:
-    """``directory/name`` (a temporary directory's when None), emptied before and removed after
-    the block: the ``--size`` and ``--manager`` demos keep nothing."""
+    """``directory/name``, emptied before the block and kept after it (what ``--dir`` promises:
+    the checkpoints stay to inspect); without ``directory``, a temporary directory's, removed."""
     tmp = tempfile.mkdtemp(prefix="dist_ckpt_demo_") if directory is None else None
     root = Path(tmp if tmp is not None else cast(str, directory)) / name
     shutil.rmtree(root, ignore_errors=True)
     try:
         yield root
     finally:
-        shutil.rmtree(root, ignore_errors=True)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -130,5 +130,7 @@ def run_manager_demo(directory: Optional[str] = None, world: int = 2) -> Dict[st
         results = run_distributed(_second_job, world, str(root))
         if not all(r["exact_at_resume"] and r["exact_at_end"] for r in results):
             raise AssertionError(f"the resume was not bit-exact on every rank: {results}")
+        if directory is not None:
+            print(f"  the run is kept in {root} (dist-ckpt ls {root})")
         print("OK")
         return results[0]

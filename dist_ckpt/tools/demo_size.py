@@ -10,6 +10,7 @@ every rank of any layout checks what it loaded without anyone sending it the tru
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -129,4 +130,7 @@ def run_size_demo(size: int, directory: Optional[str] = None, save_ranks: int = 
         print(f"  {f'load resharded to {load_ranks} ranks':34s}{_rate(nbytes, resharded):>22s}")
         print("  every loaded byte checked; raw file I/O: os.write + fsync, then readinto, one file per rank; one "
               "run (benchmarks/run.py takes medians of several)")
+        shutil.rmtree(root / "raw", ignore_errors=True)  # the comparison's files, not a checkpoint
+        if directory is not None:
+            print(f"  the checkpoint is kept in {root / 'ckpt'} (dist-ckpt inspect {root / 'ckpt'})")
         print("OK")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional, Tuple, Union
+import reprlib
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
@@ -22,6 +23,7 @@ from ..serialization import load_common_state_dict, load_tensors_metadata
 from ..storage.object_store import localize
 from ..validation import verify_checkpoint_and_load_strategy
 from .streaming import read_whole_tensor
+from .wording import counted
 
 __all__ = ["TensorDifference", "DiffReport", "diff_checkpoints", "format_report"]
 
@@ -44,6 +46,9 @@ class DiffReport:
     common_only_in_a: List[str] = field(default_factory=list)
     common_only_in_b: List[str] = field(default_factory=list)
     common_differing: List[str] = field(default_factory=list)
+    #: (a's value, b's value) of each key of ``common_differing``, as short reprs
+    common_values: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    tensors_only: bool = False  # the common state was not compared
 
     @property
     def same(self) -> bool:
@@ -75,8 +80,10 @@ def _values_difference(key: str, a: torch.Tensor, b: torch.Tensor) -> Optional[T
 
 def diff_checkpoints(a: Union[str, os.PathLike], b: Union[str, os.PathLike], *,
                      storage_options: Optional[dict] = None,
-                     progress: Optional[Callable[[Iterable], Iterable]] = None) -> DiffReport:
-    """Compare checkpoints ``a`` and ``b`` (paths or URLs, any format dist_ckpt reads)."""
+                     progress: Optional[Callable[[Iterable], Iterable]] = None,
+                     tensors_only: bool = False) -> DiffReport:
+    """Compare checkpoints ``a`` and ``b`` (paths or URLs, any format dist_ckpt reads);
+    ``tensors_only``: not their common state (an HF export has none to compare)."""
 
     with phase("download" if any("://" in str(x) for x in (a, b)) else "open"):
         dir_a, dir_b = localize(a, storage_options), localize(b, storage_options)
@@ -104,12 +111,36 @@ def diff_checkpoints(a: Union[str, os.PathLike], b: Union[str, os.PathLike], *,
                 report.identical.append(key)
             else:
                 report.differences.append(difference)
+    report.tensors_only = tensors_only
+    if tensors_only:
+        return report
     with phase("common state"):
-        only_a, only_b, differing = diff_dicts(load_common_state_dict(dir_a), load_common_state_dict(dir_b))
+        common_a, common_b = load_common_state_dict(dir_a), load_common_state_dict(dir_b)
+        only_a, only_b, differing = diff_dicts(common_a, common_b)
     report.common_only_in_a = [".".join(map(str, k)) for k in only_a]
     report.common_only_in_b = [".".join(map(str, k)) for k in only_b]
-    report.common_differing = [".".join(map(str, m[0])) for m in differing]
+    for mismatch in differing:
+        key = ".".join(map(str, mismatch[0]))
+        report.common_differing.append(key)
+        report.common_values[key] = (_short(_at(common_a, mismatch[0])), _short(_at(common_b, mismatch[0])))
     return report
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def _short(value: Any) -> str:
+    """A value for one line of the report (tensors by dtype and shape, long reprs cut)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({str(value.dtype).replace('torch.', '')}, {tuple(value.shape)})"
+    return _SHORT.repr(value)
+
+
+def _at(tree: Any, path: Tuple[Any, ...]) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
 
 
 def format_report(a: str, b: str, r: DiffReport) -> str:
@@ -120,8 +151,11 @@ def format_report(a: str, b: str, r: DiffReport) -> str:
     lines += [f"differs in {d.what}: {d.key}: {d.detail}" for d in r.differences]
     lines += [f"common state only in {a}: {k}" for k in r.common_only_in_a]
     lines += [f"common state only in {b}: {k}" for k in r.common_only_in_b]
-    lines += [f"common state differs: {k}" for k in r.common_differing]
-    lines.append(f"{'same' if r.same else 'DIFFERENT'}: {len(r.identical)} tensors bit-exact, {len(r.differences)} "
-                 f"differ, {len(r.only_in_a)} only in {a}, {len(r.only_in_b)} only in {b}")
+    for key in r.common_differing:
+        value_a, value_b = r.common_values.get(key, ("?", "?"))
+        lines.append(f"common state differs: {key}: {value_a} in {a}, {value_b} in {b}")
+    lines.append(f"{'same' if r.same else 'DIFFERENT'}: {counted(len(r.identical), 'tensor')} bit-exact, "
+                 f"{len(r.differences)} differ, {len(r.only_in_a)} only in {a}, {len(r.only_in_b)} only in {b}"
+                 + ("; common state not compared (--tensors-only)" if r.tensors_only else ""))
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from ..storage.formats import describe_format, detect_checkpoint_config
 from ..storage.object_store import localize
 from ..storage.writer_record import WriterRecord, read_writer_record
 from ..strategies.torch_dist import TorchDistLoadShardedStrategy, read_dcp_metadata
+from .wording import counted, human_size
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
 
@@ -149,14 +150,6 @@ def _numel(shape: Any) -> int:
     return n
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
 def format_summary(s: CheckpointSummary) -> str:
     """The human-readable ``inspect`` output."""
     lines = [f"{s.source}: {s.format}"]
@@ -170,12 +163,13 @@ def format_summary(s: CheckpointSummary) -> str:
     for key, t in s.tensors.items():
         chunks = "?" if t.chunks is None else str(t.chunks)
         writers = ", ".join(t.writers) if t.writers else "-"
-        lines.append(f"  tensor  {key:{width}s} {t.dtype:9s} {str(tuple(t.shape)):18s} {_size(t.bytes):>10s}  "
+        lines.append(f"  tensor  {key:{width}s} {t.dtype:9s} {str(tuple(t.shape)):18s} {human_size(t.bytes):>10s}  "
                      f"chunks {chunks:>4s}  by {writers}")
     for key in s.objects:
         lines.append(f"  object  {key}")
     lines.append(f"  common: {s.common_keys}")
     for prefix, total in s.totals.items():
-        lines.append(f"  total {prefix}: {total['tensors']} tensors, {_size(total['bytes'])}")
-    lines.append(f"  total: {len(s.tensors)} tensors, {_size(s.total_bytes)}, {len(s.objects)} objects")
+        lines.append(f"  total {prefix}: {counted(total['tensors'], 'tensor')}, {human_size(total['bytes'])}")
+    lines.append(f"  total: {counted(len(s.tensors), 'tensor')}, {human_size(s.total_bytes)}, "
+                 f"{counted(len(s.objects), 'object')}")
     return "\n".join(lines)
