@@ -175,16 +175,20 @@ def _save_with_bad_rank(rank, world, ckpt, fault):
         ("dtype", "ShardingError", "ranks disagree on the dtype"),
         ("overlap", "ShardingError", "both hold the main replica at offset (0, 0)"),
         ("gap", "ShardingError", "cover 8 of 16 elements"),
-        ("unpicklable", "CheckpointingException", "rank 1 failed"),
+        ("unpicklable", "CheckpointingException", "rank 1: AttributeError: Can't pickle local object"),
     ],
 )
 def test_save_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, fragment):
     ckpt = str(tmp_path / "ckpt")
     results = run_distributed(_save_with_bad_rank, 2, ckpt, fault)
     (err0, written0), (err1, _) = results
-    assert err0 is not None and err0 == err1, results
-    assert err0[0] == error and fragment in err0[1] and "'w'" in err0[1] or fault == "unpicklable", err0
-    assert fragment in err0[1]
+    # the rank that failed raises its own error; the other the same, named as that rank's
+    failed, other = (err1, err0) if fault == "unpicklable" else (err0, err1)  # sharding: checked on rank 0
+    source = 1 if fault == "unpicklable" else 0
+    named = failed[1] if failed[1].startswith(f"rank {source}") else f"rank {source}: {failed[1]}"
+    assert failed is not None and other == (failed[0], named), results
+    assert failed[0] == error and fragment in failed[1] and "'w'" in failed[1] or fault == "unpicklable", failed
+    assert fragment in failed[1]
     # nothing at the target, and no staging directory left: validation failures stop the save
     # before any byte is written, and a failed write's staging directory is removed
     assert written0 == [] and os.listdir(tmp_path) == []
@@ -224,8 +228,31 @@ def test_load_error_on_one_rank_is_raised_on_every_rank(tmp_path, fault, error, 
     ckpt = str(tmp_path / "ckpt")
     run_distributed(_save_w, 2, ckpt)
     results = run_distributed(_load_with_bad_rank, 2, ckpt, fault)
-    assert results[0] == results[1], results
-    assert results[0][0] == error and fragment in results[0][1], results
+    # rank 1 asked for what is not there: its own error; rank 0 raises it named as rank 1's
+    assert results[1][0] == error and fragment in results[1][1], results
+    assert results[0] == (error, f"rank 1: {results[1][1]}"), results
+
+
+def _load_objects_saved_by_two_ranks_with_three(rank, world, ckpt):
+    obj = dist_ckpt.ShardedObject("obj", None, (world,), (rank,))
+    found = _capture(lambda: dist_ckpt.load({"obj": obj}, ckpt))
+    return found
+
+
+def _save_objects(rank, world, ckpt):
+    dist_ckpt.save({"obj": dist_ckpt.ShardedObject("obj", {"rank": rank}, (world,), (rank,))}, ckpt)
+    return True
+
+
+def test_every_rank_raises_its_own_error_first(tmp_path):
+    """3 ranks ask for ShardedObjects that 2 ranks saved: each rank's own KeyMismatchError
+    names its own object (rank 2 raised rank 0's, with nothing saying it came from rank 0)."""
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_save_objects, 2, ckpt)
+    results = run_distributed(_load_objects_saved_by_two_ranks_with_three, 3, ckpt)
+    for rank, (error, message) in enumerate(results):
+        assert error == "KeyMismatchError", results
+        assert f"obj/shard_{rank}_3" in message and not message.startswith("rank "), (rank, message)
 
 
 def _fused_factory(key, local, rank, world):

@@ -11,6 +11,7 @@ Works without a process group (one process): collectives become identities.
 
 from __future__ import annotations
 
+import copy
 import pickle
 import threading
 from dataclasses import dataclass
@@ -125,21 +126,16 @@ class RankFailure:
         return cls(rank, type(exc).__name__, str(exc), ours)
 
     def to_exception(self, all_failures: Sequence["RankFailure"]) -> BaseException:
-        if self.exception is not None:
-            return self.exception
-        others = [f.rank for f in all_failures if f.rank != self.rank]
-        also = f" (ranks {others} failed too)" if others else ""
-        return CheckpointingException(f"rank {self.rank} failed with {self.type_name}: {self.message}{also}")
-
-
-def _raise_first(failures: Sequence[RankFailure], local_exc: Optional[BaseException]) -> None:
-    if not failures:
-        return
-    first = min(failures, key=lambda f: f.rank)
-    err = first.to_exception(failures)
-    if local_exc is not None and local_exc is not err:
-        raise err from local_exc
-    raise err
+        """This failure as raised on a rank that did not fail itself: the same type where it is
+        ours, its message led by the rank it came from ("rank 0: ...")."""
+        failed = sorted({f.rank for f in all_failures} | {self.rank})
+        also = f" (ranks {', '.join(map(str, failed))} failed)" if len(failed) > 1 else ""
+        if self.exception is None:
+            return CheckpointingException(f"rank {self.rank}: {self.type_name}: {self.message}{also}")
+        err = copy.copy(self.exception)  # the RankFailure may be raised again (no prefix twice)
+        named = self.message if self.message.startswith(f"rank {self.rank} ") else f"rank {self.rank}: {self.message}"
+        err.args = (f"{named}{also}",)
+        return err
 
 
 class Streamed(NamedTuple, Generic[R]):
@@ -254,6 +250,32 @@ class DistWrapper:
                 exc = CheckpointingException(f"torch.distributed.checkpoint failed: {_describe(exc)}")
             return None, RankFailure.capture(self.rank, exc), exc
 
+    def _raise_failures(self, failures: Sequence[RankFailure], local_exc: Optional[BaseException]) -> None:
+        """After a collective step that failed on some ranks: a rank that failed raises its own
+        error (one of ours as it is, any other as a ``CheckpointingException`` naming it and
+        caused by it; a note names the other ranks that failed), every other rank the error of
+        the lowest rank that failed, named as that rank's ("rank 0: ...", the same type where
+        it is ours)."""
+        if not failures:
+            return
+        own = next((f for f in failures if f.rank == self.rank), None)
+        if own is None and local_exc is None:
+            first = min(failures, key=lambda f: f.rank)
+            raise first.to_exception(failures)
+        if isinstance(local_exc, CheckpointingException):
+            err: BaseException = local_exc
+        elif own is not None:  # not ours (or the coordinator's part failed here): named, typed ours
+            err = own.exception if own.exception is not None else own.to_exception(failures)
+        else:
+            err = CheckpointingException(f"rank {self.rank}: {type(local_exc).__name__}: {local_exc}")
+        others = sorted({f.rank for f in failures} - {self.rank})
+        if others:
+            err.add_note(f"(rank {self.rank}'s own error; ranks {', '.join(map(str, others))} failed in the same "
+                         f"step too)")
+        if local_exc is not None and err is not local_exc:
+            raise err from local_exc
+        raise err
+
     def _pack(self, payload: Any, failure: Optional[RankFailure], exc: Optional[BaseException]
               ) -> "tuple[Any, Optional[RankFailure], Optional[BaseException]]":
         """What this rank contributes to a collective: ``payload`` pickled here, once (the
@@ -283,7 +305,7 @@ class DistWrapper:
             shared = None
         blob, failure, exc = self._pack(shared, failure, exc)
         outcomes = self.all_gather_object((blob, failure))
-        _raise_first([f for _, f in outcomes if f is not None], exc)
+        self._raise_failures([f for _, f in outcomes if f is not None], exc)
         return value, [self._unpack(b) for b, _ in outcomes]
 
     def all_run(self, fn: Callable[[], T]) -> T:
@@ -302,15 +324,15 @@ class DistWrapper:
         if agreed:
             return value[0], agreed == 2
         failures = [f for f in self.all_gather_object(failure) if f is not None]
-        _raise_first(failures, exc)
-        return value[0], False  # pragma: no cover - some rank failed, so _raise_first raised
+        self._raise_failures(failures, exc)
+        return value[0], False  # pragma: no cover - some rank failed, so _raise_failures raised
 
     def all_gather(self, fn: Callable[[], T]) -> List[T]:
         """Run ``fn`` on every rank and give every rank all results (or the same error)."""
         value, failure, exc = self._run(fn)
         blob, failure, exc = self._pack(value, failure, exc)
         outcomes = self.all_gather_object((blob, failure))
-        _raise_first([f for _, f in outcomes if f is not None], exc)
+        self._raise_failures([f for _, f in outcomes if f is not None], exc)
         return [self._unpack(b) for b, _ in outcomes]
 
     def _gather_to_coordinator(self, value: Any, failure: Optional[RankFailure], exc: Optional[BaseException]
@@ -357,7 +379,7 @@ class DistWrapper:
             if failures:
                 per_rank = [(None, failures)] * self.world_size
         mine, failures = self.scatter_object(per_rank)
-        _raise_first(failures or [], exc)
+        self._raise_failures(failures or [], exc)
         return own if self.is_coordinator else self._unpack(mine)
 
     def reduce_and_stream(self, local_fn: Callable[[], T], global_fn: Callable[[List[T]], Iterator[Tuple[int, R]]],
@@ -378,18 +400,18 @@ class DistWrapper:
         failure-sharing step (``all_run``), so that every rank raises it there."""
         value, failure, exc = self._run(local_fn)
         if not self.use_dist:
-            _raise_first([failure] if failure is not None else [], exc)
+            self._raise_failures([failure] if failure is not None else [], exc)
             return self._send_each(lambda: global_fn([value]), fallback)
         gathered, failure, exc = self._gather_to_coordinator(value, failure, exc)
         control_group(self.group)  # made here, by every rank at once, if it is made at all
         if not self.is_coordinator:
             result, failures = self._receive()
-            _raise_first(failures or [], exc)
+            self._raise_failures(failures or [], exc)
             return Streamed(result, None)
         failures = [f for _, f in gathered if f is not None]
         if failures:
             self._wait_for(self._post_to_each(range(self.world_size), _serialized((None, failures))))
-            _raise_first(failures, exc)
+            self._raise_failures(failures, exc)
         return self._send_each(lambda: global_fn(self._payloads(gathered, value)), fallback)
 
     def _send_each(self, start: Callable[[], Iterator[Tuple[int, R]]], fallback: R) -> "Streamed[R]":
@@ -470,5 +492,5 @@ class DistWrapper:
                 failures += [s_failure] if s_failure is not None else []
             outcome = (shared_blob, failures)
         shared_blob, failures = self.broadcast_object(outcome)
-        _raise_first(failures, exc)
+        self._raise_failures(failures, exc)
         return kept, self._unpack(shared_blob)
