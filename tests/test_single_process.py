@@ -285,14 +285,14 @@ def test_failed_async_write_raises_at_finalization_and_commits_nothing(tmp_path,
     request = dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
     queue = dist_ckpt.AsyncCallsQueue()
     queue.schedule_async_request(request)
-    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed with OSError.*No space left"):
+    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0: OSError: .*No space left"):
         queue.maybe_finalize_async_calls(blocking=True)
     assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
 
 
 def test_unpicklable_object_fails_the_async_save_call_itself(tmp_path):
     sd = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(2)), "o": ShardedObject("o", lambda: 1, (1,), (0,))}
-    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0 failed with AttributeError: Can't pickle"):
+    with pytest.raises(dist_ckpt.CheckpointingException, match="rank 0: AttributeError: Can't pickle"):
         dist_ckpt.save(sd, tmp_path / "c", async_sharded_save=True)
     assert list(tmp_path.iterdir()) == []
 
