@@ -122,9 +122,30 @@ class _Baseline:
                     if isinstance(value, ParsedFileCache):
                         value.clear()
         warnings.filters[:] = self.warning_filters
+        _clear_fsspec_instances()
+
+
+def _clear_fsspec_instances() -> None:
+    """fsspec keeps one filesystem object per protocol and options for the process (with its
+    connections and event loop); a spawned rank starts without any."""
+    spec = sys.modules.get("fsspec.spec")
+    if spec is None:
+        return
+    pending = [spec.AbstractFileSystem]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        cls.clear_instance_cache()
 
 
 _MISSING = object()
+# Libraries whose import changes torch and the process for good (safe globals for torch.load,
+# patched functions, import hooks): a rank that imported one in a call is not reused.
+_RETIRE_AFTER_IMPORTING = {"megatron", "nvidia_resiliency_ext", "transformers", "transformer_engine", "apex"}
+
+
+def _top_level_packages() -> set:
+    return {name.split(".")[0] for name in list(sys.modules)}
 
 
 def _pool_rank(rank: int, world_size: int, tasks: Any, results: Any, parent_pid: int) -> None:
@@ -140,6 +161,7 @@ def _pool_rank(rank: int, world_size: int, tasks: Any, results: Any, parent_pid:
         if task is None:
             return
         call, fn, args, group_dir, context = task
+        packages_before = _top_level_packages()
         try:
             _apply_callers_context(*context)
             _init_group(rank, world_size, group_dir, COLLECTIVE_TIMEOUT_S)
@@ -160,7 +182,12 @@ def _pool_rank(rank: int, world_size: int, tasks: Any, results: Any, parent_pid:
             os._exit(1)  # no teardown: a peer may be stuck in a collective with this rank
         dist.destroy_process_group()
         baseline.restore()
-        results.put((call, rank, True, payload))
+        retiring = bool((_top_level_packages() - packages_before) & _RETIRE_AFTER_IMPORTING)
+        results.put((call, rank, True, (payload, retiring)))
+        if retiring:  # what importing it did to torch and the process cannot be put back
+            results.close()
+            results.join_thread()
+            os._exit(0)
 
 
 class _Pool:
@@ -174,6 +201,7 @@ class _Pool:
         self.procs = [ctx.Process(target=_pool_rank, args=(r, world_size, self.tasks[r], self.results, os.getpid()),
                                   name=f"dist_ckpt-pooled-rank-{r}") for r in range(world_size)]
         self.calls = 0
+        self.retiring = False  # some rank imported a library after which it is not reused
         with helpers_starting(_START_METHOD):
             for p in self.procs:
                 p.start()
@@ -191,19 +219,27 @@ class _Pool:
         done: Dict[int, Any] = {}
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while len(done) < self.world_size:
-            try:
-                got_call, rank, ok, payload = self.results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [sentinels[s] for s in wait_for_sentinels(list(sentinels), 0)]
-                if dead:
-                    self._fail_after_a_death(call, dead)
-                continue
-            if got_call != call:
-                continue
+            if not self._take_result(call, done, timeout=0.2):
+                ended = [sentinels[s] for s in wait_for_sentinels(list(sentinels), 0)]
+                if [rank for rank in ended if rank not in done]:
+                    self._fail_after_a_death(call, done, ended)
+        if self.retiring:
+            self.close(kill=True)
+        return [done[rank] for rank in range(self.world_size)]
+
+    def _take_result(self, call: int, done: Dict[int, Any], timeout: float) -> bool:
+        """One message of the result queue into ``done`` (an error raises); False if none came."""
+        try:
+            got_call, rank, ok, payload = self.results.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        if got_call == call:
             if not ok:
                 self._fail(rank, payload)
-            done[rank] = pickle.loads(payload)
-        return [done[rank] for rank in range(self.world_size)]
+            value, retiring = payload
+            done[rank] = pickle.loads(value)
+            self.retiring = self.retiring or retiring
+        return True
 
     def _fail(self, rank: int, error: Tuple[Optional[bytes], str, str]) -> None:
         raised, summary, text = error
@@ -212,23 +248,23 @@ class _Pool:
         exc.add_note(f"(raised in rank {rank} of {self.world_size}; its traceback:)\n{text}")
         raise exc
 
-    def _fail_after_a_death(self, call: int, dead: List[int]) -> None:
-        """A rank ended during the call: its error if it sent one first, else how it died."""
-        try:
-            while True:
-                got_call, rank, ok, payload = self.results.get(timeout=GRACE_S)
-                if got_call == call and not ok:
-                    self._fail(rank, payload)
-        except queue.Empty:
+    def _fail_after_a_death(self, call: int, done: Dict[int, Any], ended: List[int]) -> None:
+        """Ranks ended during the call: what they sent before is read first (a result of a
+        rank that retired, or the error of one that failed); a rank that ended without either
+        fails the call with how it died."""
+        while self._take_result(call, done, timeout=GRACE_S):
             pass
-        codes = {rank: self.procs[rank].exitcode for rank in dead}
+        silent = [rank for rank in ended if rank not in done]
+        if not silent:
+            return
+        codes = {rank: self.procs[rank].exitcode for rank in silent}
         self.close(kill=True)
         rank, code = min(codes.items())
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         raise RankFailedError(f"rank {rank} of {self.world_size} {how} without raising an exception")
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return not self.retiring and all(p.is_alive() for p in self.procs)
 
     def close(self, kill: bool = False) -> None:
         if not kill:
