@@ -626,7 +626,7 @@ def _load_with_a_stalled_cut(rank: int, world: int, root: str, stalled_step: str
         original = getattr(owner, name)
 
         def stalled(*args, **kwargs):
-            time.sleep(STALL_PG_TIMEOUT * 3)  # alive, but the other ranks wait for the parts
+            time.sleep(STALL_PG_TIMEOUT * 2)  # alive, but the other ranks wait for the parts
             return original(*args, **kwargs)
 
         setattr(owner, name, stalled)
