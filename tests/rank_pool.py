@@ -276,7 +276,8 @@ class _Pool:
         for q in (*self.tasks, self.results):
             q.cancel_join_thread()
             q.close()
-        _POOLS.pop(self.world_size, None) if _POOLS.get(self.world_size) is self else None
+        if _POOLS.get(self.world_size) is self:
+            del _POOLS[self.world_size]
 
 
 _POOLS: Dict[int, _Pool] = {}
