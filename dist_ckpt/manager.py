@@ -67,7 +67,7 @@ from .tensor_aware_state_dict import StateMismatchError
 logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError",
-           "IdenticalCheckpointError", "default_local_session"]
+           "IdenticalCheckpointError", "default_local_session", "step_of_checkpoint_dir"]
 
 RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
@@ -96,6 +96,15 @@ def checkpoint_dir_name(step: Step) -> str:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"a step is a non-negative int or {RELEASE!r}, got {step!r}")
     return f"iter_{step:07d}"
+
+
+def step_of_checkpoint_dir(name: str) -> Optional[Step]:
+    """The step a checkpoint directory's name stands for (``iter_0000100``: 100, ``release``),
+    None for any other name: ``checkpoint_dir_name`` read back."""
+    if name == RELEASE:
+        return RELEASE
+    match = _ITER_DIR.match(name)
+    return int(match.group(1)) if match else None
 
 
 def read_tracker(root: Union[str, os.PathLike, RunRoot], storage_options: Optional[dict] = None) -> Optional[Step]:
@@ -442,7 +451,7 @@ class CheckpointManager:
         committed = set(self.location.committed())
         pending = {checkpoint_dir_name(s) for s in self._pending}
         for name in self.location.entries():
-            if _ITER_DIR.match(name) and name not in committed and name not in pending \
+            if isinstance(step_of_checkpoint_dir(name), int) and name not in committed and name not in pending \
                     and self.location.holds_checkpoint_data(name):
                 self.location.remove_checkpoint(name)
                 removed.append(name)
@@ -454,12 +463,8 @@ class CheckpointManager:
     def steps(self) -> List[int]:
         """Committed checkpoints' steps by step number, lowest first (``release`` is not a step;
         ``commit_order`` orders them as they were committed)."""
-        found = []
-        for entry in self.location.committed():
-            match = _ITER_DIR.match(entry)
-            if match:
-                found.append(int(match.group(1)))
-        return sorted(found)
+        steps = (step_of_checkpoint_dir(entry) for entry in self.location.committed())
+        return sorted(step for step in steps if isinstance(step, int))
 
     def commit_order(self) -> List[int]:
         """Committed checkpoints' steps in the order they were committed, last committed last

@@ -41,12 +41,22 @@ from .replication import CliqueReplicationStrategy, LazyCliqueReplicationStrateg
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalCheckpointManager", "CkptID", "SameMachineReplicationException"]
+__all__ = ["LocalCheckpointManager", "CkptID", "SameMachineReplicationException", "parse_part_name"]
 
 CkptID = Tuple[int, int, Any]  # (iteration, owner rank, session id), as NVRx
 _DIGITS = 7
 # What a part's hollow state may hold besides dist_ckpt's allowlist: the state dict classes.
 _STATE_GLOBALS: List[Any] = [MCoreTensorAwareStateDict, ShardedTensor, ShardedObject, slice]
+
+
+_PART_NAME = re.compile(r"iter_(\d+)_(\d+)_local\.pt(%s)?" % re.escape(DIRTY_SUFFIX))
+
+
+def parse_part_name(name: str) -> Optional[Tuple[int, int, bool]]:
+    """(iteration, owner rank, still being written) of a part's file name
+    (``iter_0000100_3_local.pt``, ``.dirty`` while written); None for any other name."""
+    match = _PART_NAME.fullmatch(name)
+    return None if match is None else (int(match.group(1)), int(match.group(2)), match.group(3) is not None)
 
 
 class SameMachineReplicationException(CheckpointingException):
@@ -130,9 +140,9 @@ class LocalCheckpointManager:
     def _my_ckpt_ids(self) -> List[CkptID]:
         """The complete parts in this rank's directory (own and copies)."""
         self._ensure_dir()
-        pattern = re.compile(r"iter_\d{%d,}_\d+_local\.pt" % _DIGITS)
-        return sorted(self._filename_to_id(f.name) for f in self.local_ckpt_dir.iterdir()
-                      if f.is_file() and pattern.fullmatch(f.name))
+        found = [(parse_part_name(f.name), f) for f in self.local_ckpt_dir.iterdir()]
+        return sorted((part[0], part[1], self.session_id) for part, f in found
+                      if part is not None and not part[2] and f.is_file())
 
     # -- find_latest -------------------------------------------------------------------------------
 
@@ -301,13 +311,8 @@ class LocalCheckpointManager:
         """(iteration, path) of every part here, complete or ``.dirty``."""
         if not self.local_ckpt_dir.is_dir():
             return []
-        pattern = re.compile(r"iter_(\d+)_\d+_local\.pt(%s)?" % re.escape(DIRTY_SUFFIX))
-        out = []
-        for entry in self.local_ckpt_dir.iterdir():
-            match = pattern.fullmatch(entry.name)
-            if match:
-                out.append((int(match.group(1)), entry))
-        return out
+        parts = [(parse_part_name(entry.name), entry) for entry in self.local_ckpt_dir.iterdir()]
+        return [(part[0], entry) for part, entry in parts if part is not None]
 
     def _cleanup(self, iteration: int) -> None:
         """Remove every part (own, copies, unfinished) of iterations older than ``iteration``."""

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Set, Union
 
 from ..core import CONFIG_FNAME, CheckpointNotFoundError
-from ..manager import RELEASE, default_local_session, read_tracker
+from ..local.manager import parse_part_name
+from ..manager import RELEASE, default_local_session, read_tracker, step_of_checkpoint_dir
 from ..storage.leftovers import DELETING_MARK, OLD_MARK, STAGING_MARK
 from ..storage.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
 from ..storage.run_root import RunRoot, StoredFile, open_run_root
@@ -34,12 +35,10 @@ from .wording import counted, human_age, human_size
 
 __all__ = ["CheckpointListing", "LocalSession", "RunListing", "list_run", "format_listing", "checkpoints_in"]
 
-_CHECKPOINT_NAME = re.compile(r"iter_(\d+)|release")
 _LEFTOVER_NAME = re.compile(r"\.(iter_\d+|release)(\.dist_ckpt-(?:staging|old|deleting)-.*)")
 _LEFTOVER_KINDS = {STAGING_MARK: "leftover of an interrupted save",
                    OLD_MARK: "leftover of an interrupted overwrite (the checkpoint it replaced)",
                    DELETING_MARK: "leftover of an interrupted deletion"}
-_LOCAL_PART = re.compile(r"iter_(\d+)_(\d+)_local\.pt(\.dirty)?")
 
 
 @dataclass
@@ -89,10 +88,6 @@ class RunListing:
         return out
 
 
-def _step_of(name: str) -> Union[int, str]:
-    return RELEASE if name == RELEASE else int(name[len("iter_"):])
-
-
 def _sort_key(listing: CheckpointListing) -> Any:
     return (1 if listing.step == RELEASE else 0, listing.step if isinstance(listing.step, int) else 0,
             0 if listing.state == "committed" else 1)
@@ -139,7 +134,7 @@ def checkpoints_in(source: Union[str, os.PathLike], storage_options: Optional[di
     root = open_run_root(source, storage_options)
     if root.read_text(CONFIG_FNAME) is not None:
         return []
-    return sorted(e for e in root.entries() if _CHECKPOINT_NAME.fullmatch(e))
+    return sorted(e for e in root.entries() if step_of_checkpoint_dir(e) is not None)
 
 
 def list_run(run: Union[str, os.PathLike], storage_options: Optional[dict] = None,
@@ -153,17 +148,18 @@ def list_run(run: Union[str, os.PathLike], storage_options: Optional[dict] = Non
     committed = set(root.committed())
     listings = []
     for name in entries:
-        if _CHECKPOINT_NAME.fullmatch(name):
+        step = step_of_checkpoint_dir(name)
+        if step is not None:
             files = root.files(name)
             state = ("committed" if name in committed else "incomplete" if root.holds_checkpoint_data(name)
                      else "no checkpoint data" if files else "empty")
-            step = _step_of(name)
             listings.append(_describe(root, name, step, state, state == "committed" and step == tracker, files))
             continue
         match = _LEFTOVER_NAME.fullmatch(name)
-        if match:
+        leftover_of = step_of_checkpoint_dir(match.group(1)) if match else None
+        if match and leftover_of is not None:
             kind = next(text for mark, text in _LEFTOVER_KINDS.items() if match.group(2).startswith(mark))
-            listings.append(_describe(root, name, _step_of(match.group(1)), kind, False, root.files(name)))
+            listings.append(_describe(root, name, leftover_of, kind, False, root.files(name)))
     listing = RunListing(str(root), tracker, sorted(listings, key=_sort_key))
     if local_dir is not None:
         listing.local_dir = os.fspath(local_dir)
@@ -184,15 +180,15 @@ def _local_sessions(local_dir: Path, this_run: str) -> List[LocalSession]:
         owners: Dict[int, Set[int]] = {}
         for rank_dir in rank_dirs:
             for part in rank_dir.iterdir():
-                match = _LOCAL_PART.fullmatch(part.name)
-                if not match:
+                parsed = parse_part_name(part.name)
+                if parsed is None:
                     continue
-                step = int(match.group(1))
-                if match.group(3):
+                step, owner, being_written = parsed
+                if being_written:
                     session.unfinished[step] = session.unfinished.get(step, 0) + 1
                     owners.setdefault(step, set())
                 else:
-                    owners.setdefault(step, set()).add(int(match.group(2)))
+                    owners.setdefault(step, set()).add(owner)
         session.steps = {step: sorted(found) for step, found in sorted(owners.items())}
         sessions.append(session)
     return sessions
