@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from collections import Counter
 from typing import Any, List, Optional, Tuple, Union, cast
 
 from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
-from .integrity.manifest import MANIFEST_FNAME, hash_bytes, parse_manifest
+from .integrity.manifest import MANIFEST_FNAME, parse_manifest
 from .local.local_tier import LocalTier
 from .local.replication import NoReplicasAvailableError
 from .mapping import ShardedStateDict, StateDict
@@ -59,7 +58,15 @@ from .runtime.collectives import DistWrapper
 from .serialization import load, save
 from .storage.commit_order import newest_first, read_commit_order, record_save_start
 from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
-from .storage.run_root import LocalRunRoot, RunRoot, open_run_root
+from .storage.run_names import (
+    RELEASE,
+    Step,
+    checkpoint_dir_name,
+    default_local_session,
+    read_tracker,
+    step_of_checkpoint_dir,
+)
+from .storage.run_root import LocalRunRoot, open_run_root
 from .strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from .strategies.base import SaveShardedStrategy
 from .tensor_aware_state_dict import StateMismatchError
@@ -69,9 +76,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name", "read_tracker", "PendingSaveError",
            "IdenticalCheckpointError", "default_local_session", "step_of_checkpoint_dir"]
 
-RELEASE = "release"  # Megatron-LM's tracker value (and directory) for a released checkpoint
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
-Step = Union[int, str]  # an iteration, or "release"
 
 
 _LOADED, _FALL_BACK, _FATAL = "loaded", "fall back", "fatal"  # each rank's outcome of one load attempt
@@ -87,41 +91,6 @@ class IdenticalCheckpointError(CheckpointingException):
 
 
 TensorHashes = Counter  # (key, content hash) of every tensor item of a checkpoint, with multiplicity
-
-
-def checkpoint_dir_name(step: Step) -> str:
-    """``iter_0000100`` for step 100, ``release`` for the release checkpoint (Megatron-LM's names)."""
-    if step == RELEASE:
-        return RELEASE
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"a step is a non-negative int or {RELEASE!r}, got {step!r}")
-    return f"iter_{step:07d}"
-
-
-def step_of_checkpoint_dir(name: str) -> Optional[Step]:
-    """The step a checkpoint directory's name stands for (``iter_0000100``: 100, ``release``),
-    None for any other name: ``checkpoint_dir_name`` read back."""
-    if name == RELEASE:
-        return RELEASE
-    match = _ITER_DIR.match(name)
-    return int(match.group(1)) if match else None
-
-
-def read_tracker(root: Union[str, os.PathLike, RunRoot], storage_options: Optional[dict] = None) -> Optional[Step]:
-    """The step ``latest_checkpointed_iteration.txt`` names (an int or ``release``), or None.
-    ``root``: a directory or a URL (``storage_options`` for the latter)."""
-    run_root = root if isinstance(root, RunRoot) else open_run_root(root, storage_options)
-    raw = run_root.read_text(TRACKER_FNAME)
-    if raw is None:
-        return None
-    text = raw.strip()
-    if text == RELEASE:
-        return RELEASE
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointingException(f"{run_root}/{TRACKER_FNAME} holds {text[:40]!r}, neither a step nor "
-                                     f"{RELEASE!r}") from None
 
 
 class CheckpointManager:
@@ -601,10 +570,3 @@ def _positive_or_none(name: str, value: Optional[int]) -> Optional[int]:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     return value
-
-
-def default_local_session(root: str) -> str:
-    """The local tier's session name of the run at ``root`` (``str`` of the manager's ``root``):
-    unique to the root, with a readable prefix and a hash of the whole."""
-    tail = re.sub(r"[^A-Za-z0-9_.-]", "_", root.rstrip("/").rsplit("/", 1)[-1])[:40] or "run"
-    return f"{tail}-{hash_bytes(root.encode())[:12]}"

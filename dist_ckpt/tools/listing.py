@@ -26,9 +26,9 @@ from typing import Any, Dict, List, Optional, Set, Union
 
 from ..core import CONFIG_FNAME, CheckpointNotFoundError
 from ..local.manager import parse_part_name
-from ..manager import RELEASE, default_local_session, read_tracker, step_of_checkpoint_dir
 from ..storage.leftovers import DELETING_MARK, OLD_MARK, STAGING_MARK
 from ..storage.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
+from ..storage.run_names import RELEASE, default_local_session, read_tracker, step_of_checkpoint_dir
 from ..storage.run_root import RunRoot, StoredFile, open_run_root
 from ..storage.writer_record import WRITER_FNAME, parse_writer_record
 from .wording import counted, human_age, human_size
