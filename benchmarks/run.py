@@ -563,34 +563,41 @@ def _async_phases(state: Dict[str, tuple], rank: int, world: int, root: Path, re
     return times
 
 
-def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int, suffix: str = "") -> Times:
-    mdc = _megatron()
+SMALL_PEERS = ("raw", "torch.save", "dcp", "dist_ckpt")  # the tools of the small-tensor rows (+ Megatron-Core)
+MCORE_SMALL_UP_TO = 20000  # Megatron-Core's save of more small tensors takes minutes
+TINY_PEERS = ("raw", "torch.save", "dist_ckpt")  # 10^6 items: plain DCP's save and load take minutes
+
+
+def _small_job(rank: int, world: int, root: str, counts: List[int], repeat: int, suffix: str = "",
+               peers: Sequence[str] = SMALL_PEERS, phase: str = "small", state_of: Any = None) -> Times:
+    """``count`` small tensors per rank (``state_of(count, rank)``: ``small_state``), saved and
+    loaded by each of ``peers`` (raw file I/O, torch.save/torch.load, plain DCP, dist_ckpt) and
+    by Megatron-Core up to ``MCORE_SMALL_UP_TO``: per-item cost, beside what the bytes cost."""
     times: Times = {}
     for count in counts:
-        state = small_state(count, rank)
-        targets = {k: (torch.zeros_like(t), a) for k, (t, a) in state.items()}
-        tools: Dict[str, tuple] = {
-            "dist_ckpt": (lambda d, s=state: dist_ckpt.save(_sharded(s, rank, world), d),
-                          lambda d, t=targets: dist_ckpt.load(_sharded(t, rank, world), d)),
-        }
-        if mdc is not None and count <= 20000:
-            def mcore_save(d: Path, s: Dict[str, tuple] = state) -> None:
-                if rank == 0:
-                    d.mkdir(parents=True, exist_ok=True)
-                dist.barrier()
-                mdc.save(_sharded(s, rank, world, mdc.mapping), str(d))
-
-            tools["megatron-core"] = (mcore_save,
-                                      lambda d, t=targets: mdc.load(_sharded(t, rank, world, mdc.mapping), str(d)))
-        for r in range(repeat if count <= 20000 else 1):
+        state = (state_of or small_state)(count, rank)
+        every = _tools(state, rank, world)
+        tools = {name: every[name] for name in peers if name in every}
+        if "megatron-core" in every and count <= MCORE_SMALL_UP_TO and phase == "small" and "dist_ckpt" in peers:
+            tools["megatron-core"] = every["megatron-core"]
+        for r in range(repeat if count <= MCORE_SMALL_UP_TO else 1):
             for name, (save, load) in tools.items():
-                d = Path(root) / f"small-{name}-{count}-{r}"
-                _add(times, name, f"small_save_{count}{suffix}", _timed(lambda: save(d)))
-                _add(times, name, f"small_load_{count}{suffix}", _timed(lambda: load(d)))
+                d = Path(root) / f"{phase}-{name.replace('.', '_')}-{count}-{r}"
+                _add(times, name, f"{phase}_save_{count}{suffix}", _timed(lambda: save(d)))
+                _add(times, name, f"{phase}_load_{count}{suffix}", _timed(lambda: load(d)))
                 dist.barrier()
                 if rank == 0:
                     shutil.rmtree(d, ignore_errors=True)
+                dist.barrier()
     return times
+
+
+def tiny_state(count: int, rank: int) -> Dict[str, tuple]:
+    """``count`` one-element tensors per rank (4 bytes each: a few MB of data for 10^6 items,
+    where only the per-item cost is measured), split across ranks as ``small_state``'s."""
+    gen = torch.Generator().manual_seed(rank)
+    values = torch.randn(count, generator=gen)
+    return {f"tiny.{i}": (values[i : i + 1].clone(), 0) for i in range(count)}
 
 
 FLOOR_ITERATIONS = 160_000  # about 60 ms of one core here: a rank's CPU time in small_load_1000_2ranks
@@ -846,7 +853,7 @@ def _table(results: Times, nbytes: int) -> List[str]:
         for phase, values in phases.items():
             med = statistics.median(values)
             unit = phase.endswith("_mem") or phase.endswith("slowdown") or phase.endswith("_ratio")
-            speed = "" if unit or phase.startswith("small") or phase.startswith("async") else f"{nbytes / med / 1e9:.2f}"
+            speed = "" if unit or phase.startswith(("small", "tiny", "async")) else f"{nbytes / med / 1e9:.2f}"
             raw = results.get("raw", {}).get(phase)
             mcore = results.get("megatron-core", {}).get(phase)
             vs_raw = f"{statistics.median(raw) / med:.2f}" if raw and not unit else ""
@@ -919,6 +926,19 @@ def _ratios(results: Times) -> str:
         parts.append(f"small tensors: cost per tensor at {hi} / at {lo}: save "
                      f"{med[f'small_save_{hi}'] / hi / (med[f'small_save_{lo}'] / lo):.2f}, load "
                      f"{med[f'small_load_{hi}'] / hi / (med[f'small_load_{lo}'] / lo):.2f}")
+    for count in small:
+        for peer in ("raw", "torch.save", "dcp"):
+            theirs = {k: statistics.median(v) for k, v in results.get(peer, {}).items()}
+            if f"small_save_{count}" in theirs:
+                parts.append(f"{count} small tensors: dist_ckpt / {peer} save {med[f'small_save_{count}'] / theirs[f'small_save_{count}']:.2f}x"
+                             f", load {med[f'small_load_{count}'] / theirs[f'small_load_{count}']:.2f}x")
+    tiny = sorted(int(p.rsplit("_", 1)[1]) for p in med if p.startswith("tiny_save_"))
+    if tiny and small:
+        hi = small[-1]
+        for count in tiny:
+            parts.append(f"per-item cost at {count:,} one-element tensors / at {hi:,} tensors of 4 KiB: save "
+                         f"{med[f'tiny_save_{count}'] / count / (med[f'small_save_{hi}'] / hi):.2f}, load "
+                         f"{med[f'tiny_load_{count}'] / count / (med[f'small_load_{hi}'] / hi):.2f}")
     for count in small:
         if f"small_save_{count}" in mc:
             parts.append(f"{count} small tensors {statistics.median(mc[f'small_save_{count}']) / med[f'small_save_{count}']:.2f}x"
@@ -1005,14 +1025,15 @@ def _table_lines(results: Times, nbytes: int, repeat: int, load_rounds: int, mac
         rows.append(["async save, staging budget 25% of the state: staging memory per rank (MiB), blocked", *ours(
             f"{med('dist_ckpt', 'async_budget25_staging_mib'):.0f}, {med('dist_ckpt', 'async_budget25_blocked'):.2f} "
             f"(no budget: {med('dist_ckpt', 'async_staging_mib'):.0f}, {med('dist_ckpt', 'async_blocked'):.2f})")])
-    counts = sorted({int(p.rsplit("_", 1)[1]) for p in results.get("dist_ckpt", {})
-                     if p.startswith("small_save_") and p.rsplit("_", 1)[1].isdigit()})
-    for phase in ("save", "load"):
-        if counts:
-            cells = [" / ".join(f"{med(t, f'small_{phase}_{c}'):.2f}" if med(t, f"small_{phase}_{c}") is not None
-                                else "-" for c in counts) if t in ("megatron-core", "dist_ckpt") else ""
-                     for t, _ in _COLUMNS]
-            rows.append([f"{' / '.join(f'{c:,}' for c in counts)} tensors of 4 KiB per rank, {phase}", *cells])
+    for kind, what in (("small", "tensors of 4 KiB"), ("tiny", "one-element tensors")):
+        counts = sorted({int(p.rsplit("_", 1)[1]) for p in results.get("dist_ckpt", {})
+                         if p.startswith(f"{kind}_save_") and p.rsplit("_", 1)[1].isdigit()})
+        for phase in ("save", "load"):
+            if counts:
+                cells = [" / ".join(f"{med(t, f'{kind}_{phase}_{c}'):.2f}" if med(t, f"{kind}_{phase}_{c}") is not None
+                                    else "-" for c in counts) if med(t, f"{kind}_{phase}_{counts[0]}") is not None
+                         or med(t, f"{kind}_{phase}_{counts[-1]}") is not None else "" for t, _ in _COLUMNS]
+                rows.append([f"{' / '.join(f'{c:,}' for c in counts)} {what} per rank, {phase}", *cells])
     worlds = sorted(int(p.rsplit("_", 1)[1][:-len("ranks")]) for p in results.get("dist_ckpt", {})
                     if p.startswith("small_load_1000_"))
     if worlds:
@@ -1044,7 +1065,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "squares of the 6 loads on 2 ranks, 6 of the 4 on 4 ranks")
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
-    parser.add_argument("--only", default="main,async,resharded,small,local,scaling", help="which parts to run")
+    parser.add_argument("--tiny", default="1000000",
+                        help="counts of one-element tensors per rank (how per-item cost grows; one repeat)")
+    parser.add_argument("--only", default="main,async,resharded,small,tiny,local,scaling", help="which parts to run")
     parser.add_argument("--local-ranks", default="2,4", help="rank counts of the local-tier comparison")
     parser.add_argument("--scaling-ranks", default="2,4,8",
                         help="rank counts for 1,000 small tensors per rank (how load and save grow with ranks)")
@@ -1070,10 +1093,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         counts = [int(c) for c in args.small.split(",") if c]
         if counts and "small" in parts:
             _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
+        tiny = [int(c) for c in args.tiny.split(",") if c]
+        if tiny and "tiny" in parts:
+            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), tiny, 1, "", TINY_PEERS, "tiny",
+                                                    tiny_state)))
         if "scaling" in parts:
             for world in (int(w) for w in args.scaling_ranks.split(",") if w):
                 _update(results, _merge(run_distributed(_small_job, world, str(root), [1000], args.repeat,
-                                                        f"_{world}ranks")))
+                                                        f"_{world}ranks", ("dist_ckpt",))))
                 _update(results, _merge(run_distributed(_scaling_floor_job, world, args.repeat, f"_{world}ranks")))
         if "incremental" in parts:
             fractions = [float(f) / 100 for f in args.incremental_pct.split(",")]

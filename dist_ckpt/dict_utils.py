@@ -45,37 +45,33 @@ def extract_matching_values(
       so that positions can be restored on load.
     """
 
-    def _set(container: Any, k: Any, v: Any) -> None:
-        if return_lists_as_dicts or isinstance(container, dict):
-            container[k] = v
-        else:
-            container.append(v)
-
     if isinstance(x, dict):
-        matching: Any = {}
-        nonmatching: Any = {}
         items: Any = x.items()
     elif isinstance(x, list):
-        matching = {} if return_lists_as_dicts else []
-        nonmatching = {} if return_lists_as_dicts else []
         items = enumerate(x)
     else:
         raise TypeError(f"Unexpected top-level object type: {type(x)}")
-
+    # (key, value) pairs first, containers built once: a state dict of 10^5 tensors is one
+    # flat dict, and a call per value to place it cost as much as the rest of the split
+    matching: List[Tuple[Any, Any]] = []
+    nonmatching: List[Tuple[Any, Any]] = []
     for k, v in items:
-        if isinstance(v, (dict, list)) and v:
+        if type(v) is dict or type(v) is list or isinstance(v, (dict, list)):
+            if not v:
+                nonmatching.append((k, v))  # an empty container is a value: keep it
+                continue
             m, nm = extract_matching_values(v, predicate, return_lists_as_dicts)
             if m:
-                _set(matching, k, m)
+                matching.append((k, m))
             if nm:
-                _set(nonmatching, k, nm)
-        elif isinstance(v, (dict, list)):
-            _set(nonmatching, k, v)  # an empty container is a value: keep it
+                nonmatching.append((k, nm))
         elif predicate(v):
-            _set(matching, k, v)
+            matching.append((k, v))
         else:
-            _set(nonmatching, k, v)
-    return matching, nonmatching
+            nonmatching.append((k, v))
+    if isinstance(x, dict) or return_lists_as_dicts:
+        return dict(matching), dict(nonmatching)
+    return [v for _, v in matching], [v for _, v in nonmatching]
 
 
 def nested_items_iter(x: Nested) -> Iterator[Tuple[Any, Any, Any]]:

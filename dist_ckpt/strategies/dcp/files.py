@@ -46,7 +46,7 @@ from .metadata import MCoreMetadata, MCoreSavePlan
 from .chunk_copy import copy_region
 from .read import ItemGroup, read_item_groups
 from .incremental import ContentLog, Reuse, content_digest
-from .record import write_tensor_record
+from .record import small_tensor_record, write_tensor_record
 from .torch_releases import TensorPropertiesOfAnyRelease, portable_metadata_bytes
 
 __all__ = [
@@ -66,6 +66,9 @@ DCP_METADATA_FNAME = ".metadata"
 MAX_DCP_METADATA_BYTES = 8 << 30  # far above the index of any real model; checked with stat
 DCP_FORMAT_VERSION = "1.0.0"  # what DCP (and Megatron-Core) record in Metadata.version
 ITEM_ALIGNMENT = 64  # items start at a multiple of this many bytes (``write_dcp_file`` says why)
+# Small items are gathered into writes of this size: 100,000 items of 4 KiB written one system
+# call each spent 1.6 s in the kernel; a larger write passes the buffer (no copy).
+WRITE_BUFFER_BYTES = 1 << 20
 
 ItemData = Union[torch.Tensor, io.BytesIO]
 
@@ -116,11 +119,19 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
     ``content``: each tensor item's content digest is recorded there (``incremental``);
     ``reuse``: an item equal to the base's is referenced there instead of written."""
     results = []
-    with open(path, "wb") as raw:
+    with open(path, "wb", buffering=WRITE_BUFFER_BYTES) as raw:
         stream = HashingWriter(raw)
         for item, data in _in_host_memory(items, resolve, HostCopies(caller)):
             tensor: Optional[torch.Tensor] = None
             content_hash: Optional[str] = None
+            blob = None if extensions or content is not None or isinstance(data, io.BytesIO) else small_tensor_record(data)
+            if blob is not None:  # the common case of many small tensors: one blob, one call each
+                offset, length, digest = stream.write_item(blob, ITEM_ALIGNMENT)
+                recorder.add(name, offset, length, digest, item.index.fqn)
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+                del data
+                continue
             if not isinstance(data, io.BytesIO):
                 tensor = data.detach()
                 if not tensor.is_contiguous():

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import (
 from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ...mapping import ShardedObject, ShardedTensor
 from ...sharding.geometry import Box, Piece, SubBox, find_overlap, intersect
+from .shared_sizes import SharedSizes
 
 __all__ = [
     "REFORMULATED_SHAPE_KEY",
@@ -152,16 +153,18 @@ def make_rank_save_plan(local: LocalSavePlan, reformulate: Set[str]) -> SavePlan
     rank needs from the coordinator: its plan is not sent back to it)."""
     items: List[WriteItem] = []
     properties_of: Dict[torch.dtype, TensorProperties] = {}
+    shared = SharedSizes()
     for desc in local.tensors:
         size, offsets, sizes = _stored_chunk(desc, reformulate)
         properties = properties_of.get(desc.dtype)
         if properties is None:
             properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
-        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        stored_offsets = shared(offsets)
+        chunk = ChunkStorageMetadata(offsets=stored_offsets, sizes=shared(sizes))
         items.append(WriteItem(
-            index=MetadataIndex(desc.key, torch.Size(offsets)),
+            index=shared.index(desc.key, stored_offsets),
             type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=torch.Size(size)),
+            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=shared(size)),
         ))
     for unique_key in local.object_keys:
         items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
@@ -174,19 +177,21 @@ def make_global_metadata(local_plans: Sequence[LocalSavePlan], reformulate: Set[
     state_dict_metadata: Dict[str, Union[TensorStorageMetadata, BytesStorageMetadata]] = {}
     mcore_data: Dict[str, dict] = {}
     properties_of: Dict[torch.dtype, TensorProperties] = {}  # shared: never changed after planning
+    shared = SharedSizes()  # and each shape and offset: pickled once (``shared_sizes``)
     for plan in local_plans:
         for desc in plan.tensors:
             size, offsets, sizes = _stored_chunk(desc, reformulate)
             if desc.key in reformulate:
                 mcore_data[desc.key] = {REFORMULATED_SHAPE_KEY: tuple(desc.global_shape)}
             mcore_data.setdefault(desc.key, {})
-            properties = properties_of.get(desc.dtype)
-            if properties is None:
-                properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
-            md = cast(TensorStorageMetadata, state_dict_metadata.setdefault(
-                desc.key, TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=[])
-            ))  # a key is a tensor or an object, never both (validated before planning)
-            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            md = cast(Optional[TensorStorageMetadata], state_dict_metadata.get(desc.key))
+            if md is None:  # a key is a tensor or an object, never both (validated before planning)
+                properties = properties_of.get(desc.dtype)
+                if properties is None:
+                    properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
+                md = state_dict_metadata[desc.key] = TensorStorageMetadata(properties=properties, size=shared(size),
+                                                                           chunks=[])
+            md.chunks.append(ChunkStorageMetadata(offsets=shared(offsets), sizes=shared(sizes)))
         for unique_key in plan.object_keys:
             state_dict_metadata[unique_key] = BytesStorageMetadata()
     metadata = Metadata(

@@ -23,6 +23,7 @@ into a larger storage) makes ``locate_tensor_data`` return None and the caller f
 from __future__ import annotations
 
 import collections
+import ctypes
 import functools
 import io
 import math
@@ -37,8 +38,8 @@ import torch
 
 from ...runtime.devices import is_host_memory
 
-__all__ = ["StoredTensor", "write_tensor_record", "written_layout", "locate_tensor_data", "layout_signature",
-           "LayoutCache", "tensor_bytes"]
+__all__ = ["StoredTensor", "write_tensor_record", "small_tensor_record", "written_layout", "locate_tensor_data",
+           "layout_signature", "LayoutCache", "tensor_bytes"]
 
 ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
@@ -258,6 +259,26 @@ def _with_crc(template: bytes, at: int, crc: int) -> bytes:
 
 
 _ONE_WRITE = 64 << 10  # a blob up to this size goes to the stream as one bytes object
+
+
+def small_tensor_record(tensor: torch.Tensor) -> Optional[bytes]:
+    """The whole blob ``write_tensor_record`` writes for ``tensor``, as one bytes object, when the
+    tensor is small (under ``_ONE_WRITE`` bytes: its CRC is always computed), contiguous and in
+    host memory; else None."""
+    if not tensor.is_contiguous() or not is_host_memory(tensor) or tensor.is_conj() or tensor.is_neg():
+        return None
+    nbytes = tensor.numel() * tensor.dtype.itemsize
+    if nbytes >= _ONE_WRITE:
+        return None
+    layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
+    if tensor.is_cpu and nbytes:
+        data: Any = ctypes.string_at(tensor.data_ptr(), nbytes)  # one call: a tenth of ``tensor_bytes``' three
+    else:
+        data = tensor_bytes(tensor)
+    crc = struct.pack("<I", zlib.crc32(data))
+    prefix, at = layout.prefix, layout.prefix_crc_at
+    suffix, suffix_at = layout.suffix, layout.suffix_crc_at
+    return b"".join((prefix[:at], crc, prefix[at + 4:], data, suffix[:suffix_at], crc, suffix[suffix_at + 4:]))
 
 
 def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True,

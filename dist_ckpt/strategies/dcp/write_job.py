@@ -14,7 +14,11 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, cast
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...core import CheckpointingException
@@ -23,6 +27,7 @@ from ...mapping import ShardedObject
 from ...runtime.durable import fsync_directory
 from .files import DCP_METADATA_FNAME, DcpReader, write_dcp_files
 from .incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
+from .shared_sizes import SharedSizes
 
 __all__ = ["serialize_objects", "ItemSource", "WrittenItems", "DcpWriteJob", "base_index"]
 
@@ -85,9 +90,13 @@ class WrittenItems:
 
 
 def _written_items(*columns: List[Any]) -> WrittenItems:
-    """``WrittenItems.__reduce__``'s columns as ``WrittenItems`` again."""
-    return WrittenItems(WriteResult(MetadataIndex(fqn, offset, index), size, _StorageInfo(path, at, length, transforms))
-                        for fqn, offset, index, size, path, at, length, transforms in zip(*columns))
+    """``WrittenItems.__reduce__``'s columns as ``WrittenItems`` again; equal offsets as one
+    ``torch.Size`` (``shared_sizes``: the coordinator pickles them into ``.metadata``)."""
+    shared = SharedSizes()
+    results = []
+    for fqn, offset, index, size, path, at, length, transforms in zip(*columns):
+        results.append(WriteResult(shared.index(fqn, offset, index), size, _StorageInfo(path, at, length, transforms)))
+    return WrittenItems(results)
 
 
 @dataclass
