@@ -1065,6 +1065,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                              "squares of the 6 loads on 2 ranks, 6 of the 4 on 4 ranks")
     parser.add_argument("--small", default="1000,20000,100000",
                         help="tensor counts per rank ('' to skip); counts above 20,000 run once")
+    parser.add_argument("--peers", default=",".join(SMALL_PEERS),
+                        help="the tools of the small and tiny rows (Megatron-Core joins dist_ckpt up to 20,000)")
     parser.add_argument("--tiny", default="1000000",
                         help="counts of one-element tensors per rank (how per-item cost grows; one repeat)")
     parser.add_argument("--only", default="main,async,resharded,small,tiny,local,scaling", help="which parts to run")
@@ -1091,11 +1093,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                 _update(results, _merge(run_distributed(_reshard_job, world, str(root), args.size_mib, args.load_rounds,
                                                         measure)))
         counts = [int(c) for c in args.small.split(",") if c]
+        peers = [p for p in args.peers.split(",") if p]
         if counts and "small" in parts:
-            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat)))
+            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), counts, args.repeat, "", peers)))
         tiny = [int(c) for c in args.tiny.split(",") if c]
         if tiny and "tiny" in parts:
-            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), tiny, 1, "", TINY_PEERS, "tiny",
+            _update(results, _merge(run_distributed(_small_job, WORLD, str(root), tiny, 1, "",
+                                                    [p for p in peers if p in TINY_PEERS], "tiny",
                                                     tiny_state)))
         if "scaling" in parts:
             for world in (int(w) for w in args.scaling_ranks.split(",") if w):

@@ -144,6 +144,33 @@ def rank_state(rank: int, world: int) -> List[Any]:
         replica = (0, tp if kw["tp_replicated"] else 0, dp)
         items.append(ShardedTensor.from_rank_offsets(key, _meta(shape), *offsets, replica_id=replica,
                                                      prepend_axis_num=kw.get("prepend_axis_num", 0)))
+    items += _optimizer_ranges(params, dp, dp_size, tp)
+    items.append(ShardedObject("rng_state", None, (PP, TP), (pp, tp), replica_id=dp))
+    return items
+
+
+# A mixture-of-experts model (DeepSeek-V3-like routing: 256 experts per layer, expert parallel 8):
+# each expert's weights are ShardedTensors of their own, as Megatron-Core's sequential experts
+# save them, so a rank holds 8 layers x 32 local experts x 2 weights = 512 expert tensors beside
+# its attention; expert weights are replicated over the expert-data-parallel ranks.
+MOE_LAYERS, MOE_HIDDEN, MOE_FFN, EXPERTS, EP, MOE_TP, MOE_PP = 64, 7168, 2048, 256, 8, 2, 8
+MOE_MODEL_PARALLEL = MOE_TP * MOE_PP
+MOE_DENSE_PARAMS: List[Tuple[str, Tuple[int, ...], Any]] = [
+    ("input_layernorm.weight", (MOE_HIDDEN,), None),
+    ("self_attention.linear_qkv.weight", (3 * MOE_HIDDEN, MOE_HIDDEN), 0),
+    ("self_attention.linear_proj.weight", (MOE_HIDDEN, MOE_HIDDEN), 1),
+    ("pre_mlp_layernorm.weight", (MOE_HIDDEN,), None),
+    ("mlp.router.weight", (EXPERTS, MOE_HIDDEN), None),
+]
+MOE_EXPERT_PARAMS = (("linear_fc1.weight", (2 * MOE_FFN, MOE_HIDDEN)), ("linear_fc2.weight", (MOE_HIDDEN, MOE_FFN)))
+
+
+def _optimizer_ranges(params: List[Tuple[str, Tuple[int, ...], Tuple, Dict[str, Any]]], dp: int, dp_size: int,
+                      tp: int) -> List[Any]:
+    """The distributed optimizer's state of one gradient buffer (``params``, in buffer order) on
+    data-parallel rank ``dp`` of ``dp_size``: every state of each parameter its contiguous range
+    of the flattened buffer meets."""
+    items: List[Any] = []
     total = sum(math.prod(shape) for _, shape, _, _ in params)
     lo, hi = dp * total // dp_size, (dp + 1) * total // dp_size
     start = 0
@@ -157,8 +184,48 @@ def rank_state(rank: int, world: int) -> List[Any]:
                     flattened_range=slice(a - start, b - start), replica_id=(0, tp if kw["tp_replicated"] else 0, 0),
                     prepend_axis_num=kw.get("prepend_axis_num", 0)))
         start += numel
-    items.append(ShardedObject("rng_state", None, (PP, TP), (pp, tp), replica_id=dp))
     return items
+
+
+def moe_rank_state(rank: int, world: int) -> List[Any]:
+    """``rank_state`` of the mixture-of-experts model: attention and router split over TP and
+    replicated over data parallel, this expert-parallel rank's experts replicated over expert
+    data parallel, and the distributed optimizer's ranges of both gradient buffers."""
+    tp, pp, dp = rank % MOE_TP, (rank // MOE_TP) % MOE_PP, rank // MOE_MODEL_PARALLEL
+    dp_size = world // MOE_MODEL_PARALLEL
+    ep, edp, edp_size = dp % EP, dp // EP, dp_size // EP
+    per_stage = MOE_LAYERS // MOE_PP
+    dense: List[Tuple[str, Tuple[int, ...], Tuple, Dict[str, Any]]] = []
+    experts: List[Tuple[str, Tuple[int, ...], Tuple, Dict[str, Any]]] = []
+    for layer in range(pp * per_stage, (pp + 1) * per_stage):
+        for name, shape, axis in MOE_DENSE_PARAMS:
+            local = shape if axis is None else tuple(n // MOE_TP if i == axis else n for i, n in enumerate(shape))
+            offsets = ((0, layer, MOE_LAYERS),) + (((axis + 1, tp, MOE_TP),) if axis is not None else ())
+            dense.append((f"decoder.layers.{name}", local, offsets, {"prepend_axis_num": 1,
+                                                                     "tp_replicated": axis is None}))
+        for e in range(ep * EXPERTS // EP, (ep + 1) * EXPERTS // EP):
+            for name, shape in MOE_EXPERT_PARAMS:
+                experts.append((f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{name}", shape, (),
+                                {"tp_replicated": True}))
+    items: List[Any] = []
+    for key, shape, offsets, kw in dense:
+        items.append(ShardedTensor.from_rank_offsets(key, _meta(shape), *offsets,
+                                                     replica_id=(0, tp if kw["tp_replicated"] else 0, dp),
+                                                     prepend_axis_num=kw["prepend_axis_num"]))
+    for key, shape, offsets, kw in experts:
+        items.append(ShardedTensor.from_rank_offsets(key, _meta(shape), replica_id=(0, tp, edp)))
+    items += _optimizer_ranges(dense, dp, dp_size, tp)
+    items += _optimizer_ranges(experts, edp, edp_size, tp)
+    items.append(ShardedObject("rng_state", None, (MOE_PP, MOE_TP), (pp, tp), replica_id=dp))
+    return items
+
+
+MODELS = {"gpt": (rank_state, MODEL_PARALLEL), "moe": (moe_rank_state, MOE_MODEL_PARALLEL * EP)}
+_model = "gpt"  # --model: which state the simulation builds
+
+
+def _state(rank: int, world: int) -> List[Any]:
+    return MODELS[_model][0](rank, world)
 
 
 def _main(items: List[Any]) -> Tuple[List[ShardedTensor], List[ShardedObject]]:
@@ -171,7 +238,7 @@ def _rank_payloads(rank: int, world: int) -> Tuple[bytes, bytes, bytes]:
     """What ``rank`` sends the coordinator: its sharding summary (the sharding check, at save
     and load), its local save plan (the global plan) and, at load, its requested regions (for
     its part of the index, when its host runs more ranks than it has cores)."""
-    items = rank_state(rank, world)
+    items = _state(rank, world)
     return (pickle.dumps(summarize_sharding(items)), pickle.dumps(make_local_save_plan(*_main(items))),
             pickle.dumps(requested_regions(items)))
 
@@ -260,9 +327,11 @@ def metadata_bytes_for_layout(local_plans: Any) -> bytes:
 
 
 def simulate(world: int) -> Dict[str, Any]:
-    if world % MODEL_PARALLEL:
-        raise SystemExit(f"--ranks: each N must be a multiple of TP*PP = {MODEL_PARALLEL}")
-    ordinary = MODEL_PARALLEL + 1 if world > MODEL_PARALLEL else 1  # a rank of the second DP group
+    unit = MODELS[_model][1]
+    if world % unit:
+        raise SystemExit(f"--ranks: each N must be a multiple of {unit} for --model {_model}")
+    parallel = MODEL_PARALLEL if _model == "gpt" else MOE_MODEL_PARALLEL
+    ordinary = parallel + 1 if world > parallel else 1  # a rank of the second DP group
     start = time.perf_counter()
     shard_lists, local_plans, regions = zip(*(_rank_payloads(r, world) for r in range(world)))
     built_s = time.perf_counter() - start
@@ -299,7 +368,7 @@ def simulate(world: int) -> Dict[str, Any]:
         del entries, parts
     verdict = len(pickle.dumps((None, [])))  # (shared result, failures): what a broadcast verdict carries
 
-    items = rank_state(ordinary, world)  # the model's work, not the checkpoint's
+    items = _state(ordinary, world)  # the model's work, not the checkpoint's
     with gc_paused():
         start = time.perf_counter()
         summary = pickle.dumps(summarize_sharding(items))
@@ -315,6 +384,9 @@ def simulate(world: int) -> Dict[str, Any]:
         cached_save_s = time.perf_counter() - start
     return {
         "ranks": world,
+        "model": _model,
+        "rank_items": len(items),
+        "coordinator_items": sum(len(pickle.loads(b).main) for b in shard_lists),
         "coordinator_s": round(coordinator_s, 3),
         "coordinator_load_s": round(coordinator_load_s, 3),
         "coordinator_parts_s": round(coordinator_parts_s, 3),
@@ -342,8 +414,14 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--json", help="write the records here")
     parser.add_argument("--write-docs", dest="write_docs", action="store_true",
                         help="write the table into docs/performance.md (between its benchmark:simulate_scale.py markers)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt",
+                        help="gpt: GPT-175B-like; moe: 256 experts per layer, expert parallel 8 (512 expert tensors "
+                             "per rank)")
     args = parser.parse_args(argv)
-    sizes = [n for n in (64, 256, 1024, 4096, 16384, 65536) if n <= args.ranks]
+    global _model
+    _model = args.model
+    sizes = [n for n in (64, 128, 256, 1024, 4096, 16384, 65536) if n <= args.ranks and n % MODELS[_model][1] == 0
+             and (n != 128 or _model != "gpt")]
     records = []
     print(f"{'ranks':>7}{'coord save s':>14}{'coord load s':>14}{'coord MiB':>11}{'rank s':>9}{'rank recv B':>13}"
           f"{'.metadata MiB':>15}{'cached s':>10}{'parts s':>9}{'part KiB':>10}{'manifest MiB':>14}"
@@ -359,7 +437,8 @@ def main(argv: Any = None) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
     if args.write_docs:
-        replace_section("simulate_scale.py", _table_lines(records))
+        replace_section("simulate_scale.py" if _model == "gpt" else f"simulate_scale.py --model {_model}",
+                        _table_lines(records))
         print(f"the table of this run written to {PERFORMANCE_PAGE}")
 
 

@@ -57,10 +57,23 @@ class ObjectFields(Protocol):
 
 
 def is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return type(x) is int or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _counts(value: Any) -> bool:
+    """``value`` is already a tuple of non-negative plain ints (the common case, checked without
+    a generator: every ShardedTensor made runs this three times)."""
+    if type(value) is not tuple:
+        return False
+    for v in value:
+        if type(v) is not int or v < 0:
+            return False
+    return True
 
 
 def int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
+    if _counts(value):
+        return value  # type: ignore[no-any-return]
     try:
         result = tuple(value)
     except TypeError:
@@ -116,12 +129,14 @@ def _check_axes(st: TensorFields) -> None:
             f"'{key}': local_shape {st.local_shape} plus prepend_axis_num="
             f"{st.prepend_axis_num} must give the global number of axes ({ndim})"
         )
-    box = st.global_box()
-    if not box.within(st.global_shape):
-        raise ShardingError(
-            f"'{key}': the local box at offset {st.global_offset} with shape {box.shape} "
-            f"does not fit in global shape {st.global_shape}"
-        )
+    prepended = st.prepend_axis_num
+    for axis, (offset, size) in enumerate(zip(st.global_offset, st.global_shape)):
+        extent = 1 if axis < prepended else st.local_shape[axis - prepended]
+        if offset + extent > size:  # offsets and shapes are non-negative ints (int_tuple)
+            raise ShardingError(
+                f"'{key}': the local box at offset {st.global_offset} with shape {st.global_box().shape} "
+                f"does not fit in global shape {st.global_shape}"
+            )
 
 
 def _check_regular_grid(st: TensorFields) -> None:
@@ -166,7 +181,7 @@ def _check_data(st: TensorFields) -> None:
     if st.data.dtype != st.dtype:
         raise ShardingError(f"'{key}': data dtype {st.data.dtype} differs from dtype {st.dtype}")
     if st.flattened_range is None:
-        if tuple(st.data.shape) != st.local_shape:
+        if st.data.shape != st.local_shape:  # a torch.Size equals the tuple of its sizes
             raise ShardingError(
                 f"'{key}': data shape {tuple(st.data.shape)} differs from local_shape "
                 f"{st.local_shape}"
@@ -218,7 +233,8 @@ def placement_of_rank_offsets(
     axis_fragmentations = [1] * ndim
     seen_axes = set()
     for triple in rank_offsets:
-        if not (isinstance(triple, tuple) and len(triple) == 3 and all(is_int(v) for v in triple)):
+        if not (isinstance(triple, tuple) and len(triple) == 3 and is_int(triple[0]) and is_int(triple[1])
+                and is_int(triple[2])):
             raise ShardingError(f"'{key}': rank offsets must be (axis, rank_offset, fragments), got {triple!r}")
         axis, axis_rank_offset, axis_fragm = triple
         if not (0 <= axis < ndim and axis_fragm >= 1 and 0 <= axis_rank_offset < axis_fragm):
