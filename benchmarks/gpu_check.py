@@ -41,6 +41,8 @@ Measurements (``--state-gib`` of bf16 on ``cuda:0``: 80% in a few hundred large 
                     pinned pool allocated beforehand, one synchronize); dist_ckpt returns before
                     its copies finish (``runtime.in_flight``), so ``async_copies_done`` says when
                     they had, from the same call's start
+  async_small_blocked  the same for 20,000 small tensors (4 KiB of bf16 each, an MoE rank's many
+                    items): dist_ckpt against its floor, a non-blocking copy per tensor
   sync_save         ``dist_ckpt.save`` against ``dcp.save`` with torch's ``FileSystemWriter``
   load_cuda         cold loads into CUDA tensors: dist_ckpt against ``dcp.load`` with torch's
                     ``FileSystemReader``, and the floor: the files read into pinned memory (as fast
@@ -541,6 +543,8 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
     record("async_copies_done_dist_ckpt", copied, warm_up=1)  # from the call until the copies finished
     record("async_blocked_dist_ckpt", blocked, warm_up=1)
 
+    _small_async(root, repeat, out, record)
+
     saves: List[float] = []
     torch_saves: List[float] = []
 
@@ -581,6 +585,45 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
         sync_saves(i)
 
 
+SMALL_TENSORS = 20_000  # an MoE rank's many small tensors: per-item cost, not bandwidth
+SMALL_NUMEL = 2048  # 4 KiB of bf16 each
+
+
+def _small_async(root: Path, repeat: int, out: Dict[str, Any], record: Callable[..., None]) -> None:
+    """How long an async save of ``SMALL_TENSORS`` small CUDA tensors blocks the caller, against its
+    floor: the same non-blocking copy of each into a pinned pool allocated beforehand, one
+    synchronize (a launch per tensor: what copying them one by one costs at the least)."""
+    from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    device = _device()
+    state = {f"small.{i}": _values((SMALL_NUMEL,), torch.bfloat16, seed=i).to(device) for i in range(SMALL_TENSORS)}
+    out["small_tensors"] = SMALL_TENSORS
+    pool = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=_cuda()) for k, v in state.items()}
+    floor = []
+    for _ in range(repeat + 1):
+        _sync()
+        start = time.perf_counter()
+        for k, v in state.items():
+            pool[k].copy_(v, non_blocking=True)
+        _sync()
+        floor.append(time.perf_counter() - start)
+    del pool
+    record("async_small_blocked_floor", floor, warm_up=1)
+    strategy = TorchDistSaveShardedStrategy()
+    blocked, queue = [], dist_ckpt.AsyncCallsQueue()
+    for _ in range(repeat + 1):  # the first allocates the staging buffers the others reuse
+        mapping = {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
+        _sync()
+        start = time.perf_counter()
+        request = dist_ckpt.save(mapping, root / "async_small", sharded_strategy=strategy, async_sharded_save=True)
+        blocked.append(time.perf_counter() - start)
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        shutil.rmtree(root / "async_small")
+    queue.close()
+    record("async_small_blocked_dist_ckpt", blocked, warm_up=1)
+
+
 def _ratios(out: Dict[str, Any]) -> Dict[str, float]:
     """dist_ckpt's time over the floor's or a peer's, for every pair measured so far."""
     pairs = {"async_blocked_vs_floor": ("async_blocked_dist_ckpt_s", "async_blocked_floor_s"),
@@ -588,6 +631,7 @@ def _ratios(out: Dict[str, Any]) -> Dict[str, float]:
              "async_blocked_vs_megatron_core": ("async_blocked_dist_ckpt_s", "async_blocked_megatron_core_s"),
              "async_blocked_vs_dcp_default": ("async_blocked_dist_ckpt_s", "async_blocked_dcp_default_s"),
              "async_copies_done_vs_floor": ("async_copies_done_dist_ckpt_s", "async_blocked_floor_s"),
+             "async_small_blocked_vs_floor": ("async_small_blocked_dist_ckpt_s", "async_small_blocked_floor_s"),
              "sync_save_vs_torch_dcp": ("sync_save_dist_ckpt_s", "sync_save_torch_dcp_s"),
              "load_vs_floor": ("load_cuda_dist_ckpt_s", "load_cuda_floor_s"),
              "load_vs_torch_dcp": ("load_cuda_dist_ckpt_s", "load_cuda_torch_dcp_s")}
