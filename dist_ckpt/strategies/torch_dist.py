@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -387,7 +388,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 
 def _nbytes(shape: Any, dtype: torch.dtype) -> int:
-    return torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def read_dcp_metadata(checkpoint_dir: Path) -> Metadata:

@@ -103,6 +103,7 @@ def same_size_ints(tensor: torch.Tensor) -> Optional[numpy.ndarray]:
     expanded (elements sharing memory, which torch refuses to write into)."""
     ints = _SAME_SIZE_INTS.get(tensor.element_size())
     if (ints is None or not is_host_memory(tensor)
-            or any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape))):
+            or (not tensor.is_contiguous()  # a contiguous tensor has no expanded axis: no check per axis
+                and any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape)))):
         return None
     return tensor.view(ints).numpy()
