@@ -35,6 +35,7 @@ from .dict_utils import extract_matching_values, nested_values
 from .integrity.manifest import verify_bytes
 from .mapping import ShardedBase, ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
 from .runtime.collectives import DistWrapper
+from .runtime.columns import columns_of, rows_of
 from .sharding.geometry import Box, Piece, find_overlap
 from .storage.formats import detect_checkpoint_config
 from .storage.leftovers import is_dist_ckpt_leftover
@@ -169,6 +170,24 @@ class ShardingSummary:
 
     main: List[Union[TensorDesc, ObjectDesc]]
     replicas: Dict[str, Set[Tuple[str, Optional[torch.dtype], Tuple[int, ...]]]]
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        """Pickled as columns (``runtime.columns``): what every rank sends its coordinator."""
+        tensors = [d for d in self.main if type(d) is TensorDesc]
+        objects = [d for d in self.main if type(d) is not TensorDesc]
+        order = bytes(type(d) is not TensorDesc for d in self.main) if objects else None
+        return _summary_of_columns, (columns_of(tensors), columns_of(objects), order, self.replicas)
+
+
+def _summary_of_columns(tensors: List[Tuple[Any, ...]], objects: List[Tuple[Any, ...]], order: Optional[bytes],
+                        replicas: Dict[str, Set[Tuple[str, Optional[torch.dtype], Tuple[int, ...]]]]
+                        ) -> ShardingSummary:
+    """``ShardingSummary.__reduce__``'s columns as the summary again, its items in their order."""
+    main: List[Union[TensorDesc, ObjectDesc]] = list(rows_of(TensorDesc, tensors))
+    if order is not None:
+        rows = (iter(main), iter(rows_of(ObjectDesc, objects)))
+        main = [next(rows[kind]) for kind in order]
+    return ShardingSummary(main, replicas)
 
 
 def summarize_sharding(items: Iterable[ShardedBase]) -> ShardingSummary:

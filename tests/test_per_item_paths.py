@@ -208,3 +208,38 @@ def test_a_rank_of_many_small_tensors_round_trips(tmp_path):
     dcp.load(theirs, checkpoint_id=str(tmp_path / "ck"))
     assert all(torch.equal(theirs[k], t) for k, t in state.items())
     assert pickle.loads((tmp_path / "ck" / ".metadata").read_bytes()).state_dict_metadata.keys() == state.keys()
+
+
+def test_records_made_without_init_equal_the_constructed_ones():
+    """``plain_records.made`` leaves each record as its own ``__init__`` does, under the running
+    torch (the fields of DCP's dataclasses are checked here on every supported release)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import (LoadItemType, ReadItem, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from dist_ckpt.strategies.dcp.plain_records import made
+
+    size = torch.Size([2, 3])
+    chunk = ChunkStorageMetadata(offsets=size, sizes=size)
+    index = MetadataIndex("w", size, 4)
+    data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=torch.float32), size=size)
+    info = _StorageInfo("__0_0.distcp", 64, 100, None)
+    examples = [
+        (ChunkStorageMetadata, {"offsets": size, "sizes": size}),
+        (TensorWriteData, {"chunk": chunk, "properties": data.properties, "size": size}),
+        (WriteItem, {"index": index, "type": WriteItemType.SHARD, "tensor_data": data}),
+        (_StorageInfo, {"relative_path": "__0_0.distcp", "offset": 64, "length": 100, "transform_descriptors": None}),
+        (WriteResult, {"index": index, "size_in_bytes": 100, "storage_data": info}),
+        (ReadItem, {"type": LoadItemType.TENSOR, "dest_index": index, "dest_offsets": size, "storage_index": index,
+                    "storage_offsets": size, "lengths": size}),
+    ]
+    for cls, fields in examples:
+        ours, theirs = made(cls, **fields), cls(**fields)
+        assert ours == theirs and vars(ours) == vars(theirs), cls
+        assert pickle.dumps(ours) == pickle.dumps(theirs), cls
+    shared = SharedSizes()  # MetadataIndex has an __init__ of its own: made as it makes them
+    for args in (("w", (2, 3), 4), ("o", None, None)):
+        ours, theirs = shared.index(*args), MetadataIndex(*args)
+        assert vars(ours) == vars(theirs) and pickle.dumps(ours) == pickle.dumps(theirs) and hash(ours) == hash(theirs)

@@ -12,7 +12,10 @@ from typing import IO, Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import xxhash
 
+from ..runtime.columns import columns_of, rows_of
+
 __all__ = [
+    "EntryList",
     "HASH_ALGORITHM",
     "MIN_BLOCK_BYTES",
     "MAX_BLOCKS",
@@ -83,6 +86,18 @@ class ManifestEntry(NamedTuple):
     hash: str
     key: Optional[str] = None
     blocks: Optional[BlockHashes] = None
+
+
+class EntryList(list):  # of ManifestEntry
+    """A rank's manifest entries, pickled as columns (``runtime.columns``): what it sends the
+    coordinator at commit, and what the writer process returns."""
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:  # type: ignore[override]
+        return _entries_of_columns, (columns_of(self),)
+
+
+def _entries_of_columns(columns: List[Tuple[Any, ...]]) -> EntryList:
+    return EntryList(rows_of(ManifestEntry, columns))
 
 
 class HashingWriter:
@@ -238,9 +253,9 @@ class Recorder:
     def add_bytes(self, file: str, data: Union[bytes, memoryview], key: Optional[str] = None) -> None:
         self.add(file, 0, len(data), hash_bytes(data), key)
 
-    def entries(self) -> List[ManifestEntry]:
+    def entries(self) -> EntryList:
         with self._lock:
-            return list(self._entries)
+            return EntryList(self._entries)
 
 
 _recorders: Dict[str, Recorder] = {}

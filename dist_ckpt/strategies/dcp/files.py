@@ -46,6 +46,7 @@ from .metadata import MCoreMetadata, MCoreSavePlan
 from .chunk_copy import copy_region
 from .read import ItemGroup, read_item_groups
 from .incremental import ContentLog, Reuse, content_digest
+from .plain_records import made
 from .record import small_tensor_record, write_tensor_record
 from .torch_releases import TensorPropertiesOfAnyRelease, portable_metadata_bytes
 
@@ -127,8 +128,8 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
             if blob is not None:  # the common case of many small tensors: one blob, one call each
                 offset, length, digest = stream.write_item(blob, ITEM_ALIGNMENT)
                 recorder.add(name, offset, length, digest, item.index.fqn)
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                info = made(_StorageInfo, relative_path=name, offset=offset, length=length, transform_descriptors=None)
+                results.append(made(WriteResult, index=item.index, size_in_bytes=length, storage_data=info))
                 del data
                 continue
             if not isinstance(data, io.BytesIO):

@@ -42,7 +42,9 @@ from torch.distributed.checkpoint.planner import (
 
 from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ...mapping import ShardedObject, ShardedTensor
+from ...runtime.columns import columns_of, rows_of
 from ...sharding.geometry import Box, Piece, SubBox, find_overlap, intersect
+from .plain_records import made
 from .shared_sizes import SharedSizes
 
 __all__ = [
@@ -97,6 +99,14 @@ class TensorShardDesc(NamedTuple):
 class LocalSavePlan:
     tensors: List[TensorShardDesc] = field(default_factory=list)
     object_keys: List[str] = field(default_factory=list)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        """Pickled as columns (``runtime.columns``): what every rank sends the coordinator."""
+        return _local_save_plan_of_columns, (columns_of(self.tensors), self.object_keys)
+
+
+def _local_save_plan_of_columns(tensors: List[Tuple[Any, ...]], object_keys: List[str]) -> LocalSavePlan:
+    return LocalSavePlan(rows_of(TensorShardDesc, tensors), object_keys)
 
 
 def make_local_save_plan(tensors: Sequence[ShardedTensor], objects: Sequence[ShardedObject]) -> LocalSavePlan:
@@ -160,11 +170,12 @@ def make_rank_save_plan(local: LocalSavePlan, reformulate: Set[str]) -> SavePlan
         if properties is None:
             properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
         stored_offsets = shared(offsets)
-        chunk = ChunkStorageMetadata(offsets=stored_offsets, sizes=shared(sizes))
-        items.append(WriteItem(
+        chunk = made(ChunkStorageMetadata, offsets=stored_offsets, sizes=shared(sizes))
+        items.append(made(
+            WriteItem,
             index=shared.index(desc.key, stored_offsets),
             type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=shared(size)),
+            tensor_data=made(TensorWriteData, chunk=chunk, properties=properties, size=shared(size)),
         ))
     for unique_key in local.object_keys:
         items.append(WriteItem(index=MetadataIndex(unique_key), type=WriteItemType.BYTE_IO))
@@ -190,7 +201,7 @@ def make_global_metadata(local_plans: Sequence[LocalSavePlan], reformulate: Set[
                     properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
                 md = state_dict_metadata[desc.key] = TensorStorageMetadata(properties=properties, size=shared(size),
                                                                            chunks=[])
-            md.chunks.append(ChunkStorageMetadata(offsets=shared(offsets), sizes=shared(sizes)))
+            md.chunks.append(made(ChunkStorageMetadata, offsets=shared(offsets), sizes=shared(sizes)))
         for unique_key in plan.object_keys:
             state_dict_metadata[unique_key] = BytesStorageMetadata()
     metadata = Metadata(
@@ -418,9 +429,9 @@ def _read_item(key: str, global_offset: Tuple[int, ...], task: int, storage_inde
     """A tensor read item, numbered by its task (``dest_index.index``); its sizes ``shared``
     with the other items' (a ``torch.Size`` made per field and item cost a load of 10^5 small
     tensors 0.2 s)."""
-    return ReadItem(type=LoadItemType.TENSOR, dest_index=shared.index(key, global_offset, task),
-                    dest_offsets=shared((0,) * len(lengths)), storage_index=storage_index,
-                    storage_offsets=shared(storage_offsets), lengths=shared(lengths))
+    return made(ReadItem, type=LoadItemType.TENSOR, dest_index=shared.index(key, global_offset, task),
+                dest_offsets=shared((0,) * len(lengths)), storage_index=storage_index,
+                storage_offsets=shared(storage_offsets), lengths=shared(lengths))
 
 
 def _whole_stored_chunk(key: str, md: TensorStorageMetadata, mcore_data: dict, request: Piece

@@ -17,6 +17,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from .plain_records import made_as_given
+
 __all__ = ["SharedSizes"]
 
 
@@ -39,7 +41,6 @@ class SharedSizes:
     def index(self, fqn: str, offset: Optional[Sequence[int]], index: Optional[int] = None) -> MetadataIndex:
         """``MetadataIndex(fqn, offset, index)`` with the shared ``offset`` (its ``__init__``
         makes a new ``torch.Size`` of it)."""
-        metadata_index = MetadataIndex(fqn, None, index)
-        if offset is not None:
-            object.__setattr__(metadata_index, "offset", self(offset))  # a frozen dataclass
-        return metadata_index
+        if offset is None:  # its __init__ leaves the field to the class default, and sets it last
+            return made_as_given(MetadataIndex, fqn=fqn, index=index)
+        return made_as_given(MetadataIndex, fqn=fqn, index=index, offset=self(offset))

@@ -27,6 +27,7 @@ from ...mapping import ShardedObject
 from ...runtime.durable import fsync_directory
 from .files import DCP_METADATA_FNAME, DcpReader, write_dcp_files
 from .incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
+from .plain_records import made
 from .shared_sizes import SharedSizes
 
 __all__ = ["serialize_objects", "ItemSource", "WrittenItems", "DcpWriteJob", "base_index"]
@@ -95,7 +96,8 @@ def _written_items(*columns: List[Any]) -> WrittenItems:
     shared = SharedSizes()
     results = []
     for fqn, offset, index, size, path, at, length, transforms in zip(*columns):
-        results.append(WriteResult(shared.index(fqn, offset, index), size, _StorageInfo(path, at, length, transforms)))
+        info = made(_StorageInfo, relative_path=path, offset=at, length=length, transform_descriptors=transforms)
+        results.append(made(WriteResult, index=shared.index(fqn, offset, index), size_in_bytes=size, storage_data=info))
     return WrittenItems(results)
 
 
