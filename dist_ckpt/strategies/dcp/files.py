@@ -128,7 +128,7 @@ def write_dcp_file(path: Path, name: str, items: List[WriteItem], resolve: Calla
             if blob is not None:  # the common case of many small tensors: one blob, one call each
                 offset, length, digest = stream.write_item(blob, ITEM_ALIGNMENT)
                 recorder.add(name, offset, length, digest, item.index.fqn)
-                info = made(_StorageInfo, relative_path=name, offset=offset, length=length, transform_descriptors=None)
+                info = _StorageInfo(name, offset, length)
                 results.append(made(WriteResult, index=item.index, size_in_bytes=length, storage_data=info))
                 del data
                 continue

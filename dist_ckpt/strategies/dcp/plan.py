@@ -170,7 +170,7 @@ def make_rank_save_plan(local: LocalSavePlan, reformulate: Set[str]) -> SavePlan
         if properties is None:
             properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
         stored_offsets = shared(offsets)
-        chunk = made(ChunkStorageMetadata, offsets=stored_offsets, sizes=shared(sizes))
+        chunk = ChunkStorageMetadata(offsets=stored_offsets, sizes=shared(sizes))
         items.append(made(
             WriteItem,
             index=shared.index(desc.key, stored_offsets),
@@ -201,7 +201,7 @@ def make_global_metadata(local_plans: Sequence[LocalSavePlan], reformulate: Set[
                     properties = properties_of[desc.dtype] = TensorProperties(dtype=desc.dtype)
                 md = state_dict_metadata[desc.key] = TensorStorageMetadata(properties=properties, size=shared(size),
                                                                            chunks=[])
-            md.chunks.append(made(ChunkStorageMetadata, offsets=shared(offsets), sizes=shared(sizes)))
+            md.chunks.append(ChunkStorageMetadata(offsets=shared(offsets), sizes=shared(sizes)))
         for unique_key in plan.object_keys:
             state_dict_metadata[unique_key] = BytesStorageMetadata()
     metadata = Metadata(

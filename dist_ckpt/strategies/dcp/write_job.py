@@ -96,7 +96,7 @@ def _written_items(*columns: List[Any]) -> WrittenItems:
     shared = SharedSizes()
     results = []
     for fqn, offset, index, size, path, at, length, transforms in zip(*columns):
-        info = made(_StorageInfo, relative_path=path, offset=at, length=length, transform_descriptors=transforms)
+        info = _StorageInfo(path, at, length, transforms)
         results.append(made(WriteResult, index=shared.index(fqn, offset, index), size_in_bytes=size, storage_data=info))
     return WrittenItems(results)
 
