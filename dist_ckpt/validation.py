@@ -315,6 +315,8 @@ def _validate_tensor_key(key: str, main: List[Tuple[int, TensorDesc]], loading_r
 def _check_no_overlap(key: str, main: Sequence[Tuple[int, TensorDesc]]) -> None:
     """Two main replicas must never hold the same element."""
     if all(sh.axis_fragmentations is not None for _, sh in main) and len({sh.local_shape for _, sh in main}) == 1:
+        if all(sh.flat is None for _, sh in main) and len({sh.global_offset for _, sh in main}) == len(main):
+            return  # whole cells of one grid, each at its own offset (a TP or EP split)
         # a regular grid: two cells overlap only if they coincide; within a cell, flat ranges
         # (the distributed optimizer's) must be disjoint - sorted, each starts after the last ends
         cells: Dict[Tuple[int, ...], List[Tuple[int, int, int]]] = defaultdict(list)

@@ -372,6 +372,27 @@ def test_scale_simulation_writes_its_records(tmp_path):
     assert 0 < record["rank_manifest_part_bytes"] < record["manifest_bytes"] / 20
 
 
+def test_scale_simulation_of_a_mixture_of_experts(tmp_path):
+    """``--model moe``: each rank describes its 512 expert tensors (256 experts per layer, expert
+    parallel 8) beside attention and the optimizer's state; the coordinator checks every main
+    replica of them once."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "scale.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "simulate_scale.py"
+    subprocess.run([sys.executable, str(script), "--model", "moe", "--ranks", "128", "--json", str(out)], check=True,
+                   timeout=600, capture_output=True)
+    (record,) = json.loads(out.read_text())
+    assert record["model"] == "moe" and record["ranks"] == 128
+    # at 128 ranks expert data parallel is 1: a rank holds its 512 expert weights and all 3
+    # optimizer states of each, beside 40 attention tensors and their optimizer ranges
+    assert 512 * 4 + 40 < record["rank_items"] < 512 * 4 + 40 + 100, record["rank_items"]
+    experts = 64 * 256 * 2 * 4  # every expert weight of every layer and its 3 states: one main replica each
+    assert experts < record["coordinator_items"] < experts + 128 * 40, record["coordinator_items"]
+
+
 @pytest.mark.parametrize("count", [2, 3, 4, 5, 6, 7])
 def test_the_benchmarks_take_turns_in_balanced_orders(count):
     """``benchmarks/turns.py``: over its orders every tool takes every position, and comes

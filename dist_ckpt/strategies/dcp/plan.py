@@ -20,7 +20,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -44,7 +44,7 @@ from ...core import CorruptCheckpointError, KeyMismatchError, ShardingError
 from ...mapping import ShardedObject, ShardedTensor
 from ...runtime.columns import columns_of, rows_of
 from ...sharding.geometry import Box, Piece, SubBox, find_overlap, intersect
-from .plain_records import made
+from .plain_records import made, made_as_given
 from .shared_sizes import SharedSizes
 
 __all__ = [
@@ -191,8 +191,11 @@ def make_global_metadata(local_plans: Sequence[LocalSavePlan], reformulate: Set[
     shared = SharedSizes()  # and each shape and offset: pickled once (``shared_sizes``)
     for plan in local_plans:
         for desc in plan.tensors:
-            size, offsets, sizes = _stored_chunk(desc, reformulate)
-            md = cast(Optional[TensorStorageMetadata], state_dict_metadata.get(desc.key))
+            if desc.flat_range is None and not reformulate:  # ``_stored_chunk``'s common case, inline
+                size, offsets, sizes = desc.global_shape, desc.box_offset, desc.box_shape
+            else:
+                size, offsets, sizes = _stored_chunk(desc, reformulate)
+            md: Any = state_dict_metadata.get(desc.key)  # (no cast here: it costs a call per chunk)
             if md is None:  # a key is a tensor or an object, never both (validated before planning)
                 mcore_data[desc.key] = ({REFORMULATED_SHAPE_KEY: tuple(desc.global_shape)} if desc.key in reformulate
                                         else {})
@@ -442,13 +445,17 @@ def _whole_stored_chunk(key: str, md: TensorStorageMetadata, mcore_data: dict, r
     tensor planning). Stored chunks do not overlap; if a damaged index had another chunk
     overlapping this one, the request is still filled whole, from this one."""
     box = request.box
-    if request.is_flat or 0 in box.shape or (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY) is not None:
+    if (request.flat_start is not None or 0 in box.shape
+            or (mcore_data.get(key) or {}).get(REFORMULATED_SHAPE_KEY) is not None):
         return None
     for chunk in (md.chunks if len(md.chunks) < _BISECT_FROM else _chunks_near(md.chunks, box)):
         if chunk.offsets == box.offset and chunk.sizes == box.shape:
-            if not box.within(tuple(md.size)):
+            size = md.size
+            if len(size) != len(box.shape) or any(o + n > d for o, n, d in zip(box.offset, box.shape, size)):
                 return None  # the general path names the chunk that lies outside
-            return StoredChunk(MetadataIndex(key, chunk.offsets), box.shape, Piece(box))
+            offsets = chunk.offsets if type(chunk.offsets) is torch.Size else torch.Size(chunk.offsets)
+            index = made_as_given(MetadataIndex, fqn=key, index=None, offset=offsets)  # as its __init__ makes it
+            return made(StoredChunk, index=index, stored_sizes=box.shape, piece=request)
     return None
 
 

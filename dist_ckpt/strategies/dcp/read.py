@@ -228,7 +228,7 @@ class _GroupReader:
         indexed once, when first asked for); None when the planner has neither."""
         ours = getattr(self.planner, "stored_chunk", None)
         if ours is not None:
-            return cast(Tuple[Tuple[int, ...], torch.dtype], ours(item))
+            return ours(item)  # type: ignore[no-any-return]  # (a cast per item costs a typing lookup)
         fqn = item.storage_index.fqn
         chunks = self._chunks.get(fqn)
         if chunks is None:
@@ -498,22 +498,31 @@ class _GroupReader:
         direct_array = getattr(self.planner, "direct_array", None)
         if direct_array is None:
             return
+        whole_regions: Dict[Tuple[int, ...], Tuple[slice, ...]] = {}  # by shape: most items take a whole chunk
+        tensor = LoadItemType.TENSOR
         for group in groups:
             if group.transformed or len(group.items) != 1:
                 continue
             item = group.items[0]
-            if item.type != LoadItemType.TENSOR:
+            if item.type != tensor:
                 continue
             memory = direct_array(item)
             chunk = self._stored_chunk(item) if memory is not None and memory.size else None
             if chunk is None:
                 continue
             shape, dtype = chunk
-            offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-            if (memory.shape == lengths and memory.itemsize == dtype.itemsize and len(offsets) == len(shape)
-                    and all(0 <= o and o + n <= s for o, n, s in zip(offsets, lengths, shape))):
+            offsets, lengths = item.storage_offsets, item.lengths
+            if memory.shape != lengths or memory.itemsize != dtype.itemsize or len(offsets) != len(shape):
+                continue
+            if lengths == shape and not any(offsets):  # the whole chunk
+                region = whole_regions.get(shape)
+                if region is None:
+                    region = whole_regions[shape] = tuple(slice(0, n) for n in shape)
+            elif all(0 <= o and o + n <= s for o, n, s in zip(offsets, lengths, shape)):
                 region = tuple(slice(o, o + n) for o, n in zip(offsets, lengths))
-                self._prepared[id(group)] = Prepared(memory, dtype, shape, region)
+            else:
+                continue
+            self._prepared[id(group)] = Prepared(memory, dtype, shape, region)
 
     def _scatter(self, lane: _Lane, buffer: torch.Tensor, stored: StoredTensor, group: ItemGroup, path: Path,
                  whole: Optional[torch.Tensor] = None) -> None:
