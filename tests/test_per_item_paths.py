@@ -243,3 +243,26 @@ def test_records_made_without_init_equal_the_constructed_ones():
     for args in (("w", (2, 3), 4), ("o", None, None)):
         ours, theirs = shared.index(*args), MetadataIndex(*args)
         assert vars(ours) == vars(theirs) and pickle.dumps(ours) == pickle.dumps(theirs) and hash(ours) == hash(theirs)
+
+
+def test_ranks_with_the_same_replicas_are_checked_once_and_a_differing_one_is_named():
+    """Data-parallel ranks send the same replica descriptions as the same bytes: the coordinator
+    unpickles and checks each distinct set once, and a rank whose set differs is still named."""
+    from dist_ckpt.core import ShardingError
+    from dist_ckpt.validation import (PickledReplicas, distinct_replicas, summarize_sharding,
+                                      validate_sharding_summaries)
+
+    def summary(rank: int, dtype: torch.dtype = torch.float32) -> Any:
+        items = [ShardedTensor.from_rank_offsets(f"expert.{i}", torch.zeros(4, dtype=dtype), replica_id=rank)
+                 for i in range(50)]
+        return pickle.loads(pickle.dumps(summarize_sharding(items)))  # as it reaches the coordinator
+
+    same = [summary(rank) for rank in range(6)]
+    assert all(isinstance(s.replicas, PickledReplicas) for s in same)
+    assert [rank for rank, _ in distinct_replicas(same)] == [0, 1]  # rank 0 holds the main replicas
+    validate_sharding_summaries(same)
+    assert same[3].replicas == {f"expert.{i}": {("T", torch.float32, (4,))} for i in range(50)}
+    differing = same[:4] + [summary(4, torch.float16), summary(5)]
+    with pytest.raises(ShardingError, match="'expert.0': ranks disagree on the dtype: rank 0 has torch.float32, "
+                                            "rank 4 has torch.float16"):
+        validate_sharding_summaries(differing)

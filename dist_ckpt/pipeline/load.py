@@ -51,6 +51,7 @@ from ..strategies.base import IndexPart, LoadCommonStrategy, LoadShardedStrategy
 from ..validation import (
     ShardingSummary,
     StrictHandling,
+    distinct_replicas,
     summarize_sharding,
     validate_integrity_and_strict_load,
     validate_sharding_summaries,
@@ -284,7 +285,7 @@ def _check_requests(request: LoadRequest, directory: Path, everyone: List[_RankR
         validate_sharding_summaries(summaries, loading=True)
     keys = None
     if StrictHandling.requires_global_app_metadata(request.strict):
-        keys = {sh.key for s in summaries for sh in s.main} | {key for s in summaries for key in s.replicas}
+        keys = {sh.key for s in summaries for sh in s.main} | {key for _, r in distinct_replicas(summaries) for key in r}
     wants = wants_index_part([(r.host, r.cores) for r in everyone])
     if any(wants) and not index_worth_cutting(_index_bytes(request, directory)):
         wants = [False] * len(wants)
