@@ -42,7 +42,11 @@ this VM a cold load depends on the load before it). Phases:
                   peer: async save blocked/total per tier, restore from the local tier (own
                   copy; one node's copies wiped) vs the persistent checkpoint (cold cache);
   small_*         N tensors of 4 KiB per rank (--small 1000,20000,...): save and load seconds,
-                  dist_ckpt and Megatron-Core (the latter up to 20,000);
+                  of raw file I/O, torch.save, plain DCP and dist_ckpt (--peers) and Megatron-Core
+                  (up to 20,000); the clock covers making the ShardedTensors (its own table in
+                  the docs, --only small,tiny --write-docs);
+  tiny_*          N one-element tensors per rank (--tiny 1000000; raw, torch.save, dist_ckpt):
+                  whether the cost per item grows with N;
   small_*_<W>ranks  1,000 such tensors per rank on W ranks (--scaling-ranks 2,4,8, all on this
                   machine's cores): how save and load grow with the number of ranks; the
                   floor's row is a fixed CPU-bound Python task of about a 2-rank load's CPU

@@ -58,13 +58,13 @@ def _save_with_fault(rank, world, ckpt, fault, fault_rank):
 
     if rank == fault_rank:
         if fault == "kill_mid_write":
-            original_write = integrity_mod.HashingWriter.write
+            original_write = integrity_mod.HashingWriter._write_raw  # where every item's bytes reach the file
 
             def write(self, data):
                 original_write(self, memoryview(data)[: len(memoryview(data)) // 2])
                 _die()
 
-            integrity_mod.HashingWriter.write = write
+            integrity_mod.HashingWriter._write_raw = write
         elif fault == "kill_before_rename":
             def commit(self):
                 _die()
@@ -279,14 +279,14 @@ def _async_save_with_killed_writer(rank, world, ckpt, kill_rank):
 
     parent = os.getpid()
     if rank == kill_rank:
-        original = integrity_mod.HashingWriter.write
+        original = integrity_mod.HashingWriter._write_raw  # every item's bytes pass here
 
         def write(self, data):
             if os.getpid() != parent:
                 _die()  # only the forked background writer dies, mid-file
             return original(self, data)
 
-        integrity_mod.HashingWriter.write = write
+        integrity_mod.HashingWriter._write_raw = write
     try:
         request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
                                  sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
@@ -321,7 +321,7 @@ def _async_save_with_a_hung_writer(rank, world, ckpt, fail_rank, blocking):
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
     parent = os.getpid()
-    original = integrity_mod.HashingWriter.write
+    original = integrity_mod.HashingWriter._write_raw  # every item's bytes pass here
 
     def write(self, data):
         if os.getpid() != parent:  # only in the forked background writer
@@ -330,7 +330,7 @@ def _async_save_with_a_hung_writer(rank, world, ckpt, fail_rank, blocking):
             time.sleep(3600)  # hung: only being stopped ends it
         return original(self, data)
 
-    integrity_mod.HashingWriter.write = write
+    integrity_mod.HashingWriter._write_raw = write
     request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
                              sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
     queue = dist_ckpt.AsyncCallsQueue()
@@ -381,7 +381,7 @@ def _two_async_saves_first_fails_and_hangs(rank, world, root):
     from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
     parent = os.getpid()
-    original = integrity_mod.HashingWriter.write
+    original = integrity_mod.HashingWriter._write_raw  # every item's bytes pass here
     first_write = []
 
     def write(self, data):
@@ -392,7 +392,7 @@ def _two_async_saves_first_fails_and_hangs(rank, world, root):
             time.sleep(3600)
         return original(self, data)
 
-    integrity_mod.HashingWriter.write = write
+    integrity_mod.HashingWriter._write_raw = write
     queue = dist_ckpt.AsyncCallsQueue()
     for name in ("a", "b"):
         queue.schedule_async_request(dist_ckpt.save(
@@ -430,7 +430,7 @@ def _async_thread_save_with_a_slow_peer(rank, world, ckpt):
 
     import dist_ckpt.integrity.manifest as integrity_mod
 
-    original = integrity_mod.HashingWriter.write
+    original = integrity_mod.HashingWriter._write_raw  # every item's bytes pass here
     finished = []
 
     def write(self, data):
@@ -442,7 +442,7 @@ def _async_thread_save_with_a_slow_peer(rank, world, ckpt):
                 finished.append(time.monotonic())
         return original(self, data)
 
-    integrity_mod.HashingWriter.write = write
+    integrity_mod.HashingWriter._write_raw = write
     request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True)
     queue = dist_ckpt.AsyncCallsQueue(persistent=False)
     queue.schedule_async_request(request)
