@@ -1,15 +1,15 @@
 """DCP's frozen plan and index records (``WriteItem``, ``TensorWriteData``, ``WriteResult``,
-``ReadItem``, ``MetadataIndex``) made without their dataclass ``__init__``.
+``ReadItem``, ``MetadataIndex``) and the planner's ``StoredChunk``, made without their dataclass
+``__init__``.
 
 A frozen dataclass sets each field through ``object.__setattr__``: a rank of 100,000 small
 tensors makes several such records per tensor in a save and as many in a load (3.0 us for a
-write item's four records, 1.6 us made here; the records that are not frozen are made faster
-by their own ``__init__``). ``made`` fills the instance's
-``__dict__`` as the generated ``__init__`` does for these classes (none has ``__slots__``, a
-``__post_init__`` or a conversion); ``made_as_given`` is for ``MetadataIndex``, whose own
-``__init__`` converts the offset (callers pass a ``torch.Size``: ``SharedSizes.index``). Each is
-checked against the real constructor, field for field and pickled byte for byte
-(``tests/test_per_item_paths.py``).
+write item's four records, 1.6 us made here; the records that are not frozen are made faster by
+their own ``__init__``). ``made`` fills the instance's ``__dict__`` as the generated ``__init__``
+does for these classes (none has ``__slots__``, a ``__post_init__`` or a conversion);
+``made_as_given`` is for ``MetadataIndex``, whose own ``__init__`` converts the offset (callers
+pass a ``torch.Size``: ``SharedSizes.index``). Each is checked against the real constructor,
+field for field and pickled byte for byte (``tests/test_per_item_paths.py``).
 """
 
 from __future__ import annotations

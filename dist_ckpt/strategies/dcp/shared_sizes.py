@@ -5,8 +5,8 @@ The ``.metadata`` of a mixture-of-experts checkpoint holds ~10^5 chunks per rank
 a few shapes and offsets (every expert's ``(0, 0)`` and its ``(rows, cols)``). Pickle writes an
 object it has seen before as a two-byte reference to its first copy, by identity: equal but
 distinct ``torch.Size`` objects are pickled in full each time (a reduce call each, 1.7 us), and
-unpickled into as many objects again. Shared, a 200,000-chunk index pickled in 0.22 s instead of
-1.34 s, and half as large. A ``torch.Size`` is immutable: sharing it is invisible to every
+unpickled into as many objects again. Shared, 200,000 chunk records pickled in 0.22 s instead
+of 1.34 s, and half as large. A ``torch.Size`` is immutable: sharing it is invisible to every
 reader (torch's planners included).
 """
 
