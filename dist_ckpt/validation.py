@@ -185,7 +185,7 @@ class ShardingSummary:
         return _summary_of_columns, (columns_of(tensors), columns_of(objects), order, replicas)
 
 
-class PickledReplicas(Mapping):  # type: ignore[type-arg]  # of str -> set of (kind, dtype, global shape)
+class PickledReplicas(Mapping):  # of str -> set of (kind, dtype, global shape)
     """A rank's replica descriptions as it sent them (pickled), unpickled when first read.
 
     Data-parallel ranks hold the same replicas in the same order, so their pickles are the same

@@ -92,7 +92,7 @@ class EntryList(list):  # of ManifestEntry
     """A rank's manifest entries, pickled as columns (``runtime.columns``): what it sends the
     coordinator at commit, and what the writer process returns."""
 
-    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:  # type: ignore[override]
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         return _entries_of_columns, (columns_of(self),)
 
 

@@ -73,7 +73,7 @@ def _counts(value: Any) -> bool:
 
 def int_tuple(value: Any, what: str, key: str) -> Tuple[int, ...]:
     if _counts(value):
-        return value  # type: ignore[no-any-return]
+        return value
     try:
         result = tuple(value)
     except TypeError:

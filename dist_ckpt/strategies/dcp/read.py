@@ -228,7 +228,7 @@ class _GroupReader:
         indexed once, when first asked for); None when the planner has neither."""
         ours = getattr(self.planner, "stored_chunk", None)
         if ours is not None:
-            return ours(item)  # type: ignore[no-any-return]  # (a cast per item costs a typing lookup)
+            return ours(item)  # (a cast per item costs a typing lookup)
         fqn = item.storage_index.fqn
         chunks = self._chunks.get(fqn)
         if chunks is None:

@@ -33,7 +33,7 @@ class SharedSizes:
 
     def __call__(self, values: Sequence[int]) -> torch.Size:
         key = values if type(values) is tuple or type(values) is torch.Size else tuple(values)
-        size = self._sizes.get(key)  # type: ignore[arg-type]  # a torch.Size hashes and compares as its tuple
+        size = self._sizes.get(key)  # a torch.Size hashes and compares as its tuple
         if size is None:
             size = self._sizes[tuple(key)] = key if type(key) is torch.Size else torch.Size(key)
         return size

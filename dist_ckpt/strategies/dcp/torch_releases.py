@@ -145,7 +145,7 @@ def _fast_reductions_agree() -> bool:
     def dumps(table: Dict[Any, Any]) -> bytes:
         buffer = io.BytesIO()
         pickler = pickle.Pickler(buffer, protocol=pickle.DEFAULT_PROTOCOL)
-        pickler.dispatch_table = table  # type: ignore[misc]
+        pickler.dispatch_table = table
         pickler.dump(sample)
         return buffer.getvalue()
 
@@ -156,7 +156,7 @@ def _fast_reductions_agree() -> bool:
 
 
 class _PortablePickler(pickle.Pickler):
-    dispatch_table = {**_PORTABLE, **_FAST} if _fast_reductions_agree() else _PORTABLE
+    dispatch_table: Any = {**_PORTABLE, **_FAST} if _fast_reductions_agree() else _PORTABLE
 
 
 def portable_metadata_bytes(metadata: Metadata) -> bytes:
