@@ -490,6 +490,21 @@ def _median(samples: List[float]) -> float:
     return round(statistics.median(samples), 4)
 
 
+def _pinned_copy_floor(state: Dict[str, torch.Tensor], repeat: int) -> List[float]:
+    """``repeat + 1`` times: a non-blocking copy of every tensor into a pinned pool allocated
+    beforehand, then one synchronize (the floor of an async save's blocked time)."""
+    pool = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=_cuda()) for k, v in state.items()}
+    floor = []
+    for _ in range(repeat + 1):
+        _sync()
+        start = time.perf_counter()
+        for k, v in state.items():
+            pool[k].copy_(v, non_blocking=True)
+        _sync()
+        floor.append(time.perf_counter() - start)
+    return floor
+
+
 def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: Callable[[Dict[str, Any]], None]) -> None:
     """Fill ``out`` with the figures, calling ``progress`` after each. The sections run in the order
     of what matters most (the floor and dist_ckpt's blocked time, one sync save of each writer and
@@ -512,16 +527,7 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
     def sharded() -> Dict[str, ShardedTensor]:
         return {k: ShardedTensor.from_rank_offsets(k, v) for k, v in state.items()}
 
-    pool = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=_cuda()) for k, v in state.items()}
-    floor = []
-    for _ in range(repeat + 1):
-        _sync()
-        start = time.perf_counter()
-        for k, v in state.items():
-            pool[k].copy_(v, non_blocking=True)
-        _sync()
-        floor.append(time.perf_counter() - start)
-    del pool
+    floor = _pinned_copy_floor(state, repeat)
     out["d2h_pinned_gb_s"] = round(nbytes / _median(floor[1:]) / 1e9, 1)
     record("async_blocked_floor", floor, warm_up=1)
 
@@ -598,16 +604,7 @@ def _small_async(root: Path, repeat: int, out: Dict[str, Any], record: Callable[
     device = _device()
     state = {f"small.{i}": _values((SMALL_NUMEL,), torch.bfloat16, seed=i).to(device) for i in range(SMALL_TENSORS)}
     out["small_tensors"] = SMALL_TENSORS
-    pool = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=_cuda()) for k, v in state.items()}
-    floor = []
-    for _ in range(repeat + 1):
-        _sync()
-        start = time.perf_counter()
-        for k, v in state.items():
-            pool[k].copy_(v, non_blocking=True)
-        _sync()
-        floor.append(time.perf_counter() - start)
-    del pool
+    floor = _pinned_copy_floor(state, repeat)
     record("async_small_blocked_floor", floor, warm_up=1)
     strategy = TorchDistSaveShardedStrategy()
     blocked, queue = [], dist_ckpt.AsyncCallsQueue()

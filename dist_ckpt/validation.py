@@ -298,8 +298,7 @@ def validate_sharding_summaries(summaries: Sequence[ShardingSummary], loading: b
         if (seen[1] != dtype or seen[2] != shape) and key not in disagreeing:
             disagreeing[key] = (rank, dtype, shape)
 
-    distinct = dict(distinct_replicas(summaries)) if any(isinstance(x.replicas, PickledReplicas) for x in summaries) \
-        else None  # rank -> its replicas, where they differ from every earlier rank's (unpickled when read)
+    distinct = dict(distinct_replicas(summaries))  # rank -> its replicas, where they differ from every earlier rank's
     for rank, summary in enumerate(summaries):
         for sh in summary.main:
             if isinstance(sh, TensorDesc):
@@ -316,8 +315,8 @@ def validate_sharding_summaries(summaries: Sequence[ShardingSummary], loading: b
             else:
                 objects.setdefault(sh.key, []).append((rank, sh))
                 described(sh.key, "O", rank, None, sh.global_shape)
-        replicas = summary.replicas if distinct is None else distinct.get(rank, {})  # the same as an earlier rank's:
-        for key, seen in replicas.items():                                        # checked there already
+        replicas = distinct.get(rank, {})  # absent: the same as an earlier rank's, checked there already
+        for key, seen in replicas.items():
             if len(seen) == 1:  # the common case: one description of the key on this rank
                 for kind, dtype, shape in seen:
                     known = first.get(key)

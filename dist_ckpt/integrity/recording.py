@@ -180,12 +180,8 @@ class HashingWriter:
     def write_item(self, data: bytes, align: int = 1) -> Tuple[int, int, str]:
         """``start_item(align)``, ``write(data)`` and ``finish_item()`` of a whole item in hand,
         hashed in one call: the per-item cost of a rank of 10^5 small tensors."""
-        padding = -self._pos % align
-        if padding:
-            self._write_raw(bytes(padding))
-        start = self._start = self._pos
-        self._blocks = None
-        self.last_blocks = None
+        self.start_item(align)
+        start = self._start
         self._write_raw(data)
         return start, len(data), hash_bytes(data)
 
