@@ -47,16 +47,24 @@ import logging
 import os
 from pathlib import Path
 from collections import Counter
-from typing import Any, List, Optional, Tuple, Union, cast
+import signal
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
-from .core import CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
+from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
 from .integrity.manifest import MANIFEST_FNAME, parse_manifest
 from .local.local_tier import LocalTier
 from .local.replication import NoReplicasAvailableError
 from .mapping import ShardedStateDict, StateDict
+from .policies.preemption import PreemptionWatch
+from .policies.retention import BestCheckpoints, steps_to_keep
+from .policies.save_policies import InvalidPolicyError, SavePolicy, as_policy
+from .policies.schedule import Decision, SaveSchedule
+from .policies.selection import Selection
 from .runtime.collectives import DistWrapper
 from .serialization import load, save
 from .storage.commit_order import newest_first, read_commit_order, record_save_start
+from .storage.metrics_record import METRICS_FNAME, Metrics, checked_metrics, parse_metrics_record
 from .storage.locations import TRACKER_FNAME  # Megatron-LM's name, shared with the save-target check
 from .storage.run_names import (
     RELEASE,
@@ -79,6 +87,7 @@ __all__ = ["CheckpointManager", "TRACKER_FNAME", "RELEASE", "checkpoint_dir_name
 
 
 _LOADED, _FALL_BACK, _FATAL = "loaded", "fall back", "fatal"  # each rank's outcome of one load attempt
+_GRACE_POLL_S = 0.05  # how often the ranks ask each other whether a save in flight committed, in a grace period
 
 
 class PendingSaveError(CheckpointingException):
@@ -130,6 +139,27 @@ class CheckpointManager:
             retention deletes its base. Costs a hash pass over the state per save; needs the
             ``torch_dist`` strategy (None, or a ``TorchDistSaveShardedStrategy``) and a local
             root (on an object store every save is full).
+        save_policy: when ``should_save`` / ``maybe_save`` say yes: a ``SavePolicy``
+            (``EverySteps``, ``EverySeconds``, ``AtSteps``, ``Continuous``) or a list of them
+            (any of them). None: only preemption and ``exit_after_s`` do.
+        preemption_signal: a signal (or list; True: SIGTERM) that announces the end of the job:
+            caught on whichever rank receives it, and at the next ``should_save`` every rank
+            agrees to save that step, wait for it to commit and then report ``should_stop``.
+        preemption_grace_s: the seconds the job has after the signal (the scheduler's grace
+            period): a save still in flight then is abandoned (nothing of it commits) and the
+            ranks stop with the last committed checkpoint.
+        exit_after_s: the job's wall-time budget in seconds, from ``started_at`` (default: the
+            manager's creation): the first ``should_save`` after it saves and stops (set it to
+            the job's time limit minus a save and a step).
+        started_at: the job's start (``time.time()``), for ``exit_after_s``.
+        keep_best, best_metric, best_mode, keep_without_metric: also keep the ``keep_best``
+            checkpoints with the lowest (``best_mode="min"``) or highest ("max") value of the
+            metric ``best_metric`` given to ``save(metrics=...)``; ones without it are kept
+            (``keep_without_metric``) or left to the other rules.
+        initial_load: a checkpoint (or another run's root: the step its tracker names) that
+            ``load()`` reads when this run has none of its own - a fine-tune's start, in any
+            layout; ``initial_load_include`` / ``initial_load_exclude`` select what of it is
+            read (``policies.selection``: e.g. ``exclude=["optimizer", "iteration"]``).
         save_kwargs: more keyword arguments for every ``save`` (e.g. ``validate_access_integrity``).
     """
 
@@ -140,6 +170,14 @@ class CheckpointManager:
                  local_every: Optional[int] = None, persistent_every: Optional[int] = None,
                  local_replication_factor: int = 1, local_replication_jump: Optional[int] = None,
                  local_session: Optional[str] = None, on_identical_save: str = "warn", incremental: bool = False,
+                 save_policy: Union[SavePolicy, Sequence[SavePolicy], None] = None,
+                 preemption_signal: Union[bool, int, Iterable[int], None] = None,
+                 preemption_grace_s: Optional[float] = None, exit_after_s: Optional[float] = None,
+                 started_at: Optional[float] = None, keep_best: Optional[int] = None,
+                 best_metric: Optional[str] = None, best_mode: str = "min", keep_without_metric: bool = True,
+                 initial_load: Union[str, os.PathLike, None] = None,
+                 initial_load_include: Optional[Sequence[str]] = None,
+                 initial_load_exclude: Optional[Sequence[str]] = None,
                  **save_kwargs: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -177,7 +215,8 @@ class CheckpointManager:
         # whether the local parts of the steps this run owns (every step after the one it resumed
         # from, all of them when it resumed from none) were cleared of an earlier run's leftovers
         self._local_steps_claimed = False
-        self.loaded_tier: Optional[str] = None  # "local" or "persistent": where the last load() came from
+        self.loaded_tier: Optional[str] = None  # "local", "persistent" or "initial": where the last load() came from
+        self.loaded_from: Optional[str] = None  # the checkpoint the last load() read (None: the local tier)
         self.persistent_every = _positive_or_none("persistent_every", persistent_every)
         self.local_every = _positive_or_none("local_every", local_every)
         self.local: Optional[LocalTier] = None
@@ -187,15 +226,137 @@ class CheckpointManager:
                                  "saved to root; the local tier takes the others)")
             session = local_session if local_session is not None else default_local_session(str(self.root))
             self.local = LocalTier(local_dir, session, local_replication_factor, local_replication_jump)
+        self.best = (BestCheckpoints(cast(str, best_metric), keep_best, best_mode, keep_without_metric)
+                     if keep_best is not None or best_metric is not None else None)
+        self._metrics: Dict[int, Optional[Metrics]] = {}  # committed steps' recorded metrics, read once
+        self.initial_load = initial_load
+        self.initial_selection = Selection(initial_load_include, initial_load_exclude)
+        self._save_schedule = SaveSchedule(as_policy(save_policy), _preemption_watch(preemption_signal),
+                                      _positive_number("exit_after_s", exit_after_s), started_at)
+        self.preemption_grace_s = _positive_number("preemption_grace_s", preemption_grace_s)
+        self._stop: Optional[Decision] = None  # the agreed decision to save and stop, once made
+        self._stop_deadline: Optional[float] = None  # the coordinator's monotonic time the grace period ends
+        self._stopped = False  # the final save is done (committed, failed or abandoned)
+        self.abandoned_steps: List[Step] = []  # saves given up at the grace period's end
+        self._last_persistent_step: Optional[Step] = None  # the step of this run's last save to root
+        if self._save_schedule.watch is not None:
+            self._save_schedule.watch.arm()
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save(self, step: Step, sharded_state_dict: ShardedStateDict, blocking: bool = False) -> None:
+    # -- deciding ------------------------------------------------------------------------------
+
+    def should_save(self, step: Step) -> bool:
+        """Every step, every rank (collective): whether to save ``step`` now, the same answer on
+        every rank (the coordinator decides: ``policies.schedule``). Commits finished saves
+        first (``maybe_finalize``). After a preemption signal (on any rank) or at the end of
+        ``exit_after_s`` it says yes once more - that save waits until it commits - and then
+        ``should_stop`` is True; if this step's save is already started, it waits for that one."""
+        if self._stopped:
+            return False
+        self.maybe_finalize()
+        decision = self._stop or self._save_schedule.decide(cast(int, step), bool(self._pending), self.dist)
+        if decision.stop and self._stop is None:
+            self._begin_stop(step, decision)
+        if decision.stop and step == self._last_persistent_step and step not in self.failed_steps:
+            self._finish_stop(step)  # this step is saved (or being saved) already
+            return False
+        return decision.save
+
+    def maybe_save(self, step: Step, state_fn: Callable[[], ShardedStateDict],
+                   metrics: Union[Mapping[str, Any], Callable[[], Mapping[str, Any]], None] = None) -> bool:
+        """``save(step, state_fn(), metrics=...)`` if ``should_save(step)``: the state (and the
+        metrics, when a callable) is built only at the steps that are saved. True if it saved."""
+        if not self.should_save(step):
+            return False
+        self.save(step, state_fn(), metrics=metrics() if callable(metrics) else metrics)
+        return True
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the final save of a preemption or of ``exit_after_s`` is done (committed,
+        failed or abandoned at the end of the grace period): the loop ends, ``close()`` follows."""
+        return self._stopped
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """Why the ranks agreed to stop ("preemption (SIGTERM)", "exit_after"); None before."""
+        return self._stop.reason if self._stop is not None else None
+
+    def _begin_stop(self, step: Step, decision: Decision) -> None:
+        self._stop = decision
+        if self.preemption_grace_s is not None and decision.signal_age_s is not None:
+            self._stop_deadline = self._save_schedule.clock() - decision.signal_age_s + self.preemption_grace_s
+        logger.warning("step %s: %s - saving this step and stopping%s", step, decision.reason,
+                       "" if self._stop_deadline is None else
+                       f" (grace period: {self._stop_deadline - self._save_schedule.clock():.1f} s left)")
+
+    def _finish_stop(self, step: Step) -> None:
+        """Wait for the saves in flight (as long as the grace period lasts), then stop."""
+        try:
+            self._wait_within_grace()
+        finally:
+            self._stopped = True
+            logger.warning("stopping after step %s (%s): the tracker names step %s", step, self.stop_reason,
+                           read_tracker(self.location) if self.dist.is_coordinator else "?")
+
+    def _wait_within_grace(self) -> bool:
+        """``wait()``; with a grace period, only until it ends, when every rank abandons what is
+        still in flight together (the coordinator's clock decides). False if it abandoned."""
+        if self._stop_deadline is None:
+            self.wait()
+            return True
+        while self._pending:
+            self._finalize(blocking=False)
+            if not self._pending:
+                break
+            late = self.dist.is_coordinator and self._save_schedule.clock() >= cast(float, self._stop_deadline)
+            if self.dist.all_reduce_max([int(late)])[0]:
+                self._abandon_pending()
+                return False
+            time.sleep(_GRACE_POLL_S)
+        return True
+
+    def _abandon_pending(self) -> None:
+        steps = list(self._pending)
+        self._pending.clear()
+        self._queue.abandon()
+        self.abandoned_steps += steps
+        logger.warning("the grace period of %.1f s ended with the save(s) of step(s) %s in flight: abandoned, "
+                       "nothing of them is committed", self.preemption_grace_s or 0.0, steps)
+
+    def _save_and_stop(self, step: Step, sharded_state_dict: ShardedStateDict,
+                       metrics: Optional[Mapping[str, Any]]) -> None:
+        """The final save: to the persistent root whatever ``persistent_every`` says (a node
+        that goes away takes its local tier along), committed before ``should_stop``; within
+        the grace period, if one is set."""
+        try:
+            if self._wait_within_grace():
+                use_async = self.async_save and self._stop_deadline is not None  # so that it can be abandoned
+                self._save(step, sharded_state_dict, not use_async, metrics, "persistent")
+        finally:
+            self._finish_stop(step)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def save(self, step: Step, sharded_state_dict: ShardedStateDict, blocking: bool = False,
+             metrics: Optional[Mapping[str, Any]] = None) -> None:
         """Start a checkpoint of ``step`` (collective). With ``blocking`` (or without
-        ``async_save``) it returns only when the checkpoint, tracker and retention are done."""
-        tier = self._tier_of(step)
+        ``async_save``) it returns only when the checkpoint, tracker and retention are done.
+        ``metrics`` (the coordinator's) are recorded in the checkpoint (``dist-ckpt ls`` shows
+        them; ``keep_best`` ranks by them). After ``should_save`` decided to stop, this is the
+        final save: it returns once committed, and ``should_stop`` is then True."""
+        if self._stop is not None and not self._stopped:
+            self._save_and_stop(step, sharded_state_dict, metrics)
+            return
+        self._save(step, sharded_state_dict, blocking, metrics, self._tier_of(step))
+
+    def _save(self, step: Step, sharded_state_dict: ShardedStateDict, blocking: bool,
+              metrics: Optional[Mapping[str, Any]], tier: Optional[str]) -> None:
         if tier is None:
             return
+        if isinstance(step, int):
+            self._save_schedule.note_save(step)
         self._claim_local_steps()
         name = checkpoint_dir_name(step)
         if self._pending:
@@ -209,22 +370,24 @@ class CheckpointManager:
             self._save_local(step, sharded_state_dict, use_async)
             return
         target = self.location.checkpoint(name)
+        self._last_persistent_step = step
         try:
             if self.incremental:
                 self._choose_base()
             self._record_save_start(name)
             request = save(sharded_state_dict, target, self.sharded_strategy, async_sharded_save=use_async,
-                           **self._storage_kwargs(), **self.save_kwargs)
+                           metrics=metrics, **self._storage_kwargs(), **self.save_kwargs)
         except Exception as e:  # every rank raises the same error (save's failures are shared)
             self._failed(step, e)
             return
+        recorded = checked_metrics(metrics) if metrics is not None else None
         if request is None:  # synchronous: committed already
             try:
-                self._after_commit(step)
+                self._after_commit(step, recorded)
             except Exception as e:
                 self._failed(step, e)
             return
-        request.add_finalize_fn(lambda: self._after_commit(step))
+        request.add_finalize_fn(lambda: self._after_commit(step, recorded))
         self._schedule(step, request)
         if blocking:
             self.wait()
@@ -328,8 +491,10 @@ class CheckpointManager:
         logger.warning("checkpoint of step %s to %s failed, training goes on (the tracker still names %s): %s: %s",
                        step, self.location.checkpoint(checkpoint_dir_name(step)), tracked, type(error).__name__, error)
 
-    def _after_commit(self, step: Step) -> None:
+    def _after_commit(self, step: Step, metrics: Optional[Metrics] = None) -> None:
         """Every rank, after the checkpoint of ``step`` committed: tracker, then retention."""
+        if isinstance(step, int):
+            self._metrics[step] = metrics
 
         if step != self._resumed_from:
             self._resumed_from = None  # something newer of this run has committed: no longer kept as such
@@ -384,6 +549,18 @@ class CheckpointManager:
             raise IdenticalCheckpointError(message)
         logger.warning(message)
 
+    def _recorded_metrics(self, steps: List[int]) -> Dict[int, Optional[Metrics]]:
+        """The metrics each committed step recorded (this run's saves remembered, the others
+        read once from their ``dist_ckpt_metrics.json``)."""
+        for step in steps:
+            if step not in self._metrics:
+                try:
+                    raw = self.location.read_checkpoint_text(checkpoint_dir_name(step), METRICS_FNAME)
+                except (CheckpointingException, OSError, UnicodeError):
+                    raw = None
+                self._metrics[step] = parse_metrics_record(raw) if raw is not None else None
+        return {step: self._metrics[step] for step in steps}
+
     def _write_tracker(self, step: Step) -> None:
         """The step just committed, whatever was named before: saves commit in the order they
         started, so the last commit is the run's newest (a rollback moves the tracker back)."""
@@ -392,12 +569,12 @@ class CheckpointManager:
     def _apply_retention(self, committed: Step) -> List[int]:
         # in flight: the saves queued after the one just committed (those before it committed already)
         in_flight = self._pending[self._pending.index(committed) + 1:] if committed in self._pending else self._pending
-        newest = self.commit_order()[::-1]
-        if not newest:
+        order = self.commit_order()
+        if not order:
             return []
-        keep = set(newest[:self.keep_last]) if self.keep_last is not None else set(newest)
-        if self.keep_every is not None:
-            keep.update(s for s in newest if s % self.keep_every == 0)
+        keep = steps_to_keep(order, self.keep_last, self.keep_every, self.best,
+                             self._recorded_metrics(order) if self.best is not None else None)
+        newest = order[::-1]
         tracked = read_tracker(self.location)
         removed = []
         for s in sorted(newest):
@@ -480,14 +657,27 @@ class CheckpointManager:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def load(self, sharded_state_dict: ShardedStateDict, step: Optional[Step] = None, **load_kwargs: Any) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, step: Optional[Step] = None, *,
+             include: Optional[Sequence[str]] = None, exclude: Optional[Sequence[str]] = None,
+             **load_kwargs: Any) -> StateDict:
         """Load ``step``, or (None) the step the tracker names, falling back to the other
         committed checkpoints, last committed first: one that is missing, incomplete or fails
         its checksums (on any rank) is logged and the next one tried, by every rank together
         (the coordinator lists the candidates). A request that does not fit the checkpoint (a
         ``MismatchError``, ``KeyMismatchError``...) is raised at once: an older checkpoint would
         not fit it either. Raises ``CheckpointNotFoundError`` if none loads. The step loaded is
-        ``loaded_step`` afterwards; retention keeps it until a save of this run has committed."""
+        ``loaded_step`` afterwards; retention keeps it until a save of this run has committed.
+
+        When this run has no checkpoint at all (none committed in ``root``, none in the local
+        tier), ``initial_load`` is loaded instead, as ``initial_load_include`` /
+        ``initial_load_exclude`` select (``loaded_tier`` is then "initial", ``loaded_step``
+        None). ``include`` / ``exclude`` (``policies.selection``) make any load partial: what
+        they leave out is neither read nor returned."""
+        selection = Selection(include, exclude)
+        request, _ = selection.apply(sharded_state_dict)
+        return _selected(self._load(request, step, **load_kwargs), selection)
+
+    def _load(self, sharded_state_dict: ShardedStateDict, step: Optional[Step], **load_kwargs: Any) -> StateDict:
         if step is not None:
             result = load(sharded_state_dict, self.location.checkpoint(checkpoint_dir_name(step)),
                           **self._storage_kwargs(), **load_kwargs)
@@ -511,6 +701,11 @@ class CheckpointManager:
                 else:
                     self._loaded(local_step, tier="local")
                     return result
+        if self.initial_load is not None:
+            if not candidates and not failures and (self.local is None or self.local.find_latest() < 0):
+                return self._load_initial(sharded_state_dict, **load_kwargs)
+            logger.info("%s holds checkpoints of this run: resuming from them; initial_load=%s is not used",
+                        self.root, self.initial_load)
         for candidate in candidates:
             name = checkpoint_dir_name(candidate)
             directory = self.location.checkpoint(name)
@@ -540,6 +735,31 @@ class CheckpointManager:
             f"no loadable checkpoint in {self.root}" + (f": {'; '.join(failures)}" if failures else
                                                          " (no committed iter_XXXXXXX directory, no tracker)"))
 
+    def _load_initial(self, sharded_state_dict: ShardedStateDict, **load_kwargs: Any) -> StateDict:
+        """This run has no checkpoint: ``initial_load`` (a checkpoint, or a run root whose
+        tracker names one; the coordinator decides which), as ``initial_selection`` selects."""
+        source = self.dist.all_reduce(lambda: None, lambda _: self._initial_checkpoint())
+        request, left_out = self.initial_selection.apply(sharded_state_dict)
+        logger.warning("no checkpoint of this run in %s: starting from initial_load %s%s", self.root, source,
+                       f" without {', '.join(left_out)}" if left_out else "")
+        options = {"storage_options": self.storage_options} if self.storage_options and "://" in source else {}
+        result = load(request, source, **options, **load_kwargs)
+        self.loaded_step, self.loaded_tier, self.loaded_from = None, "initial", source
+        return _selected(cast(StateDict, result), self.initial_selection)
+
+    def _initial_checkpoint(self) -> str:
+        """``initial_load`` itself when it holds a checkpoint (of any format), else the committed
+        checkpoint its tracker names (or the newest one by step): it is another run's root."""
+        path = os.fspath(cast(Union[str, os.PathLike], self.initial_load))
+        root = open_run_root(path, self.storage_options)
+        if root.read_text(CONFIG_FNAME) is not None:
+            return path
+        tracked = read_tracker(root)
+        if tracked is not None and root.is_committed(checkpoint_dir_name(tracked)):
+            return str(root.checkpoint(checkpoint_dir_name(tracked)))
+        steps = sorted(s for s in map(step_of_checkpoint_dir, root.committed()) if isinstance(s, int))
+        return str(root.checkpoint(checkpoint_dir_name(steps[-1]))) if steps else path
+
     def _loaded(self, step: Step, tier: str) -> None:
         """Every rank, after a load of ``step`` from ``tier``: the run resumes from it, whichever
         tier served it. Local parts of later steps belong to a branch the run left (a save the
@@ -547,16 +767,21 @@ class CheckpointManager:
         run's save of such a step would find its own old part and refuse to replace it."""
         self.loaded_step = step
         self.loaded_tier = tier
+        self.loaded_from = str(self.location.checkpoint(checkpoint_dir_name(step))) if tier == "persistent" else None
         self._resumed_from = step
         self._local_steps_claimed = False
         self._claim_local_steps()
 
     def close(self) -> None:
-        """Wait for pending saves and stop the background writer."""
+        """Wait for pending saves, stop the background writer, put back the signal handlers."""
         try:
             self.wait()
         finally:
-            self._queue.close()
+            try:
+                self._queue.close()
+            finally:
+                if self._save_schedule.watch is not None:
+                    self._save_schedule.watch.disarm()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -564,6 +789,35 @@ class CheckpointManager:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+
+def _selected(result: Any, selection: Selection) -> Any:
+    """A load's result as ``selection`` selects (the checkpoint's common state included); a
+    ``(state_dict, missing, unexpected)`` triple keeps its key sets."""
+    if selection.everything:
+        return result
+    if isinstance(result, tuple):
+        return (selection.apply(result[0])[0], *result[1:])
+    return selection.apply(result)[0]
+
+
+def _positive_number(name: str, value: Optional[float]) -> Optional[float]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise InvalidPolicyError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return None if value is None else float(value)
+
+
+def _preemption_watch(signals: Union[bool, int, Iterable[int], None]) -> Optional[PreemptionWatch]:
+    """The manager's ``preemption_signal`` as a watch (True: SIGTERM; None/False: none)."""
+    if signals is None or signals is False:
+        return None
+    if signals is True:
+        return PreemptionWatch([signal.SIGTERM])
+    try:
+        return PreemptionWatch([signals] if isinstance(signals, int) else signals)
+    except (TypeError, ValueError) as e:
+        raise InvalidPolicyError(f"preemption_signal must be a signal, a list of signals or True (SIGTERM), "
+                                 f"got {signals!r}: {e}") from e
 
 
 def _positive_or_none(name: str, value: Optional[int]) -> Optional[int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Callable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Set, Tuple, Union
 
 from .core import CheckpointingException, check_is_distributed_checkpoint  # noqa: F401 - Megatron-Core's path
 from .integrity.manifest import verification
@@ -87,6 +87,7 @@ def save(
     overwrite: Optional[bool] = None,
     storage_options: Optional[dict] = None,
     progress: bool = False,
+    metrics: Optional[Mapping[str, Any]] = None,
 ) -> Optional[AsyncRequest]:
     """Save a sharded state dict from every rank into one checkpoint directory (collective).
 
@@ -119,13 +120,17 @@ def save(
             protocol), passed to fsspec (endpoint, credentials); see ``object_store`` for the
             commit protocol without rename.
         progress: on rank 0 and a terminal, show the save's phases as they run (tqdm).
+        metrics: what the training loop measured (``{"val_loss": 1.93}``: names to numbers,
+            strings, booleans or None): the coordinator's are recorded in the checkpoint
+            (``dist_ckpt_metrics.json``, listed in the manifest), shown by ``dist-ckpt inspect``
+            and ``ls``, and ranked by ``CheckpointManager(keep_best=...)``.
     """
     with gc_paused(), progress_display(progress, "saving", 4, DistWrapper().rank):
         request = SaveRequest.resolve(
             sharded_state_dict, checkpoint_dir, sharded_strategy, common_strategy,
             validate_access_integrity=validate_access_integrity, async_save=async_sharded_save,
             preprocess_common=preprocess_common_before_consistancy_check, content_metadata=content_metadata,
-            overwrite=overwrite, storage_options=storage_options,
+            overwrite=overwrite, storage_options=storage_options, metrics=metrics,
         )
         return run_save(request)
 

@@ -21,7 +21,7 @@ LAYERS = [
     ("4 strategies", ["dist_ckpt.strategies"]),
     ("5 orchestration", ["dist_ckpt.validation", "dist_ckpt.pipeline", "dist_ckpt.serialization",
                          "dist_ckpt.state_dict_utils", "dist_ckpt.tensor_aware_state_dict"]),
-    ("6 training loop", ["dist_ckpt.manager", "dist_ckpt.local"]),
+    ("6 training loop", ["dist_ckpt.manager", "dist_ckpt.local", "dist_ckpt.policies"]),
     ("7 tools", ["dist_ckpt.tools", "dist_ckpt.__main__", "dist_ckpt"]),
 ]
 

@@ -26,18 +26,19 @@ import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Collection, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from ..core import CheckpointingConfig, CheckpointingException
 from ..dict_utils import extract_matching_values, nested_values
-from ..integrity.manifest import ManifestEntry, forget_recorder, open_recorder
+from ..integrity.manifest import ManifestEntry, forget_recorder, open_recorder, recorder_for
 from ..mapping import ShardedBase, ShardedObject, ShardedStateDict, StateDict
 from ..runtime.collectives import DistWrapper
 from ..runtime.timing import phase
 from ..sharding.fingerprint import fingerprints_remembered, structure_fingerprint
 from ..sharding.partition import compare_common_state_dicts, split_state_dict
+from ..storage.metrics_record import METRICS_FNAME, checked_metrics, write_metrics_record
 from ..storage.commit import StagedSave, begin_save, commit_staged, write_manifest_and_config
 from ..storage.object_store import (
     RemoteSave,
@@ -99,6 +100,7 @@ class SaveRequest:
     async_save: bool = False
     preprocess_common: Optional[Callable[[StateDict], StateDict]] = None
     content_metadata: Optional[dict] = None
+    metrics: Optional[Mapping[str, Any]] = None  # the coordinator's go to ``dist_ckpt_metrics.json``
 
     @classmethod
     def resolve(
@@ -114,6 +116,7 @@ class SaveRequest:
         async_save: bool = False,
         preprocess_common: Optional[Callable[[StateDict], StateDict]] = None,
         content_metadata: Optional[dict] = None,
+        metrics: Optional[Mapping[str, Any]] = None,
     ) -> "SaveRequest":
         """Strategies from the registry (defaults: ``DEFAULT_SAVE_BACKEND``,
         ``DEFAULT_COMMON_BACKEND``); ``checkpoint_dir`` as an absolute path or a URL."""
@@ -124,7 +127,7 @@ class SaveRequest:
         url = str(checkpoint_dir) if is_url(checkpoint_dir) else None
         target = None if url else Path(os.path.abspath(localize(checkpoint_dir)))
         return cls(state_dict, sharded, common, target, url, storage_options, overwrite, validate_access_integrity,
-                   async_save, preprocess_common, content_metadata)
+                   async_save, preprocess_common, content_metadata, metrics)
 
     @property
     def where(self) -> str:
@@ -160,6 +163,8 @@ def split(request: SaveRequest, dist: DistWrapper) -> SplitState:
     cache_owner = strategy if request.validate_access_integrity and getattr(strategy, "cached_metadata", False) else None
 
     def split_and_configure() -> Tuple[SplitState, bool]:  # factories run user code: a failure reaches every rank
+        if request.metrics is not None:
+            checked_metrics(request.metrics)  # every rank's, before anything is written
         sharded, common, _ = split_state_dict(request.state_dict)
         if request.content_metadata is not None:
             common[CONTENT_METADATA_KEY] = request.content_metadata
@@ -238,6 +243,9 @@ def write(request: SaveRequest, parts: SplitState, staging: Staging, dist: DistW
 
     def write_common() -> None:
         request.common_strategy.save_common(parts.common, directory)
+        if request.metrics is not None and dist.is_coordinator:
+            written = write_metrics_record(directory, request.metrics)
+            recorder_for(directory).add_bytes(METRICS_FNAME, written)
         if objects:
             request.common_strategy.save_sharded_objects(objects, directory)
 

@@ -21,6 +21,7 @@ from typing import Iterable, List, Set
 from ..core import COMMON_STATE_FNAME, CONFIG_FNAME, DCP_METADATA_FNAME
 from ..integrity.manifest import MANIFEST_FNAME, parse_manifest
 from ..runtime.durable import fsync_directory
+from .metrics_record import METRICS_FNAME
 from .writer_record import WRITER_FNAME
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ __all__ = [
     "move_back_foreign_entries",
 ]
 
-_CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME, WRITER_FNAME}
+_CHECKPOINT_FILES = {CONFIG_FNAME, COMMON_STATE_FNAME, DCP_METADATA_FNAME, MANIFEST_FNAME, WRITER_FNAME, METRICS_FNAME}
 # DCP data, incremental saves' content records (``strategies.dcp.incremental``), our atomic-write
 # temporaries (``runtime.durable.TEMPORARY_MARK``; ``.tmp-<pid>`` of old versions)
 _CHECKPOINT_FILE_RE = re.compile(r"^(.+\.distcp|__\d+_.+_content\.json|\..+\.tmp-\d+|\..+\.dist_ckpt-tmp-.+-\d+)$")

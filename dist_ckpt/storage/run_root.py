@@ -12,6 +12,7 @@ checkpoint's save directories and checkpoint files, never other objects.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -23,7 +24,7 @@ from ..core import CONFIG_FNAME, CheckpointNotFoundError
 from ..runtime.durable import atomic_write_bytes, fsync_directory
 from .clean import clean_inside, remove_checkpoint
 from .entries import checkpoint_entries, checkpoint_entries_of
-from .object_store import SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
+from .object_store import POINTER_FIELD, SAVE_DIR_PREFIX, StoreLocation, is_url, open_location
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,16 @@ class RunRoot(ABC):
     def remove_leftovers(self) -> List[str]:
         """Remove what interrupted saves and deletions left in the root (their processes gone);
         what was removed."""
+
+    def data_of(self, name: str) -> str:
+        """Where the committed checkpoint ``name``'s files are, relative to the root: ``name``
+        itself (an object store's: the save directory its pointer names)."""
+        return name
+
+    def read_checkpoint_text(self, name: str, file: str) -> Optional[str]:
+        """A small file of the committed checkpoint ``name`` (a manifest, a metrics record), or
+        None when it has none."""
+        return self.read_text(f"{self.data_of(name)}/{file}")
 
 
 class LocalRunRoot(RunRoot):
@@ -180,6 +191,16 @@ class UrlRunRoot(RunRoot):
     def write_text(self, name: str, text: str) -> None:
         loc = self._loc()
         loc.call(f"writing {name}", "pipe_file", loc.child(name), text.encode())
+
+    def data_of(self, name: str) -> str:
+        """The save directory the pointer (``metadata.json``) of ``name`` names, below it (not
+        the one a later overwrite replaced); ``name`` when it names none."""
+        try:
+            pointer = json.loads(self.read_text(f"{name}/{CONFIG_FNAME}") or "{}")
+        except (ValueError, OSError, CheckpointNotFoundError):
+            return name
+        target = pointer.get(POINTER_FIELD) if isinstance(pointer, dict) else None
+        return f"{name}/{target}" if isinstance(target, str) and target.startswith(SAVE_DIR_PREFIX) else name
 
     def entries(self) -> List[str]:
         loc = self._loc()

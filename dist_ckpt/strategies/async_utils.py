@@ -208,6 +208,10 @@ class AsyncCaller(ABC):
         """End the request's write now, without giving the request an error of its own (the
         caller knows why); nothing of it writes after this returns."""
 
+    def abandon(self, request: AsyncRequest) -> None:
+        """Give up on the request's write without waiting for it (``AsyncCallsQueue.abandon``)."""
+        self.stop(request)
+
     def is_current_async_call_done(self, request: AsyncRequest, blocking: bool = False) -> bool:
         """``wait_for`` without waiting, or until done (``blocking``)."""
         return self.wait_for(request, None if blocking else 0.0)
@@ -254,6 +258,11 @@ class TemporalAsyncCaller(AsyncCaller):
         """A thread cannot be stopped: it is waited for (``timeout_s`` bounds the wait), so that
         it writes nothing into a save that is being removed."""
         self.wait_for(request, None)
+
+    def abandon(self, request: AsyncRequest) -> None:
+        """Not waited for: the thread ends on its own, writing into a staging directory that is
+        never committed."""
+        self._threads.pop(id(request), None)
 
 
 WRITER_NICE = 19  # background writers yield the CPU to the training loop when both want it
@@ -641,6 +650,22 @@ class AsyncCallsQueue:
                 return True
             if not blocking:
                 return False
+
+    def abandon(self) -> List[int]:
+        """Drop every outstanding call without finalizing it, on this rank alone (no
+        collective: every rank calls it after agreeing to): nothing of them commits; their
+        cleanup runs (the staging directory goes); a writer process is killed, a writer thread
+        is left to end on its own (it cannot be stopped; it writes only into the staging
+        directory). Returns the calls' indices. For a deadline that a save in flight missed."""
+        calls, self._calls = self._calls, []
+        for call in calls:
+            call.caller.abandon(call.request)
+            for fn in call.request.cleanup_fns:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - the others' cleanup still runs; a leftover is removed later
+                    logger.warning("cleaning up abandoned checkpoint write %d failed", call.idx, exc_info=True)
+        return [call.idx for call in calls]
 
     def close(self) -> None:
         """Finalize every outstanding call (blocking), then stop the writer process."""

@@ -23,9 +23,10 @@ from ..runtime.timing import phase
 from ..serialization import load_common_state_dict, load_sharded_metadata
 from ..storage.formats import describe_format, detect_checkpoint_config
 from ..storage.object_store import localize
+from ..storage.metrics_record import read_metrics_record
 from ..storage.writer_record import WriterRecord, read_writer_record
 from ..strategies.torch_dist import TorchDistLoadShardedStrategy, read_dcp_metadata
-from .wording import counted, human_size
+from .wording import counted, format_metrics, human_size
 
 __all__ = ["TensorSummary", "CheckpointSummary", "summarize_checkpoint", "format_summary"]
 
@@ -57,6 +58,8 @@ class CheckpointSummary:
     total_bytes: int
     #: the versions that wrote it ({"dist_ckpt", "torch", "python"}), None where not recorded
     writer: Optional[Dict[str, str]] = None
+    #: what ``save(metrics=...)`` recorded (``dist_ckpt_metrics.json``), None where nothing was
+    metrics: Optional[Dict[str, Any]] = None
 
     def to_json(self) -> Dict[str, Any]:
         return asdict(self)
@@ -103,6 +106,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
         metadata = load_sharded_metadata(directory)
         manifest_version = _manifest_version(directory)
         record = read_writer_record(directory)
+        metrics = read_metrics_record(directory)
     with phase("common state"):
         common = load_common_state_dict(directory)
     tensors: Dict[str, TensorSummary] = {}
@@ -128,7 +132,7 @@ def summarize_checkpoint(source: Union[str, os.PathLike], storage_options: Optio
         config.common_backend if config else None, config.common_backend_version if config else None,
         manifest_version, tensors, sorted(objects), sorted(map(str, common)),
         dict(sorted(totals.items())), sum(t.bytes for t in tensors.values()),
-        writer=None if record is None else asdict(record),
+        writer=None if record is None else asdict(record), metrics=metrics,
     )
 
 
@@ -159,6 +163,8 @@ def format_summary(s: CheckpointSummary) -> str:
                      + (f", manifest v{s.manifest_version}" if s.manifest_version is not None else ", no manifest"))
         lines.append("  writer not recorded" if s.writer is None else
                      f"  written by {WriterRecord(**s.writer).describe()}")
+    if s.metrics is not None:
+        lines.append(f"  metrics: {format_metrics(s.metrics)}")
     width = max([40] + [len(k) for k in s.tensors])
     for key, t in s.tensors.items():
         chunks = "?" if t.chunks is None else str(t.chunks)

@@ -16,7 +16,6 @@ complete (every rank's part somewhere: a resume can use it).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -27,11 +26,11 @@ from typing import Any, Dict, List, Optional, Set, Union
 from ..core import CONFIG_FNAME, CheckpointNotFoundError
 from ..local.manager import parse_part_name
 from ..storage.leftovers import DELETING_MARK, OLD_MARK, STAGING_MARK
-from ..storage.object_store import POINTER_FIELD, SAVE_DIR_PREFIX
 from ..storage.run_names import RELEASE, default_local_session, read_tracker, step_of_checkpoint_dir
 from ..storage.run_root import RunRoot, StoredFile, open_run_root
+from ..storage.metrics_record import METRICS_FNAME, parse_metrics_record
 from ..storage.writer_record import WRITER_FNAME, parse_writer_record
-from .wording import counted, human_age, human_size
+from .wording import counted, format_metrics, human_age, human_size
 
 __all__ = ["CheckpointListing", "LocalSession", "RunListing", "list_run", "format_listing", "checkpoints_in"]
 
@@ -53,6 +52,7 @@ class CheckpointListing:
     files: int
     writer: Optional[Dict[str, str]]  # dist_ckpt, torch, python; None: not recorded
     modified: Optional[float]  # the newest file's time, seconds since the epoch
+    metrics: Optional[Dict[str, Any]] = None  # what save(metrics=...) recorded; None: nothing
 
 
 @dataclass
@@ -104,28 +104,27 @@ def _writer(root: RunRoot, name: str) -> Optional[Dict[str, str]]:
                                         "python": record.python}
 
 
+def _metrics(root: RunRoot, name: str) -> Optional[Dict[str, Any]]:
+    """What the checkpoint's save recorded in ``dist_ckpt_metrics.json`` (best effort)."""
+    try:
+        raw = root.read_text(f"{name}/{METRICS_FNAME}")
+    except (OSError, UnicodeDecodeError, CheckpointNotFoundError):
+        return None
+    return parse_metrics_record(raw) if raw is not None else None
+
+
 def _describe(root: RunRoot, name: str, step: Union[int, str], state: str, tracker: bool,
               files: List[StoredFile]) -> CheckpointListing:
-    writer = None
+    writer, metrics = None, None
     if state == "committed":
-        data = _committed_data(root, name)
+        data = root.data_of(name)
         if data != name:  # an object store's: the save its pointer names (not the one it replaced)
             files = [f for f in files if f.path == CONFIG_FNAME or f.path.startswith(data[len(name) + 1:] + "/")]
         writer = _writer(root, data)
+        metrics = _metrics(root, data)
     times = [f.modified for f in files if f.modified is not None]
     return CheckpointListing(name, step, state, tracker, sum(f.size for f in files), len(files), writer,
-                             max(times) if times else None)
-
-
-def _committed_data(root: RunRoot, name: str) -> str:
-    """Where a committed checkpoint's files are: ``name`` itself, or on an object store the save
-    directory its ``metadata.json`` pointer names (``name/<save dir>``)."""
-    try:
-        pointer = json.loads(root.read_text(f"{name}/{CONFIG_FNAME}") or "{}")
-    except (ValueError, OSError, CheckpointNotFoundError):
-        return name
-    target = pointer.get(POINTER_FIELD) if isinstance(pointer, dict) else None
-    return f"{name}/{target}" if isinstance(target, str) and target.startswith(SAVE_DIR_PREFIX) else name
+                             max(times) if times else None, metrics)
 
 
 def checkpoints_in(source: Union[str, os.PathLike], storage_options: Optional[dict] = None) -> List[str]:
@@ -201,7 +200,7 @@ def format_listing(listing: RunListing) -> str:
                + ("" if any(c.tracker for c in committed) else " (not committed here)"))
     lines = [f"{listing.run}: {counted(len(committed), 'checkpoint')} committed, {tracker}"]
     if listing.checkpoints:
-        rows = [("STEP", "STATE", "SIZE", "FILES", "WRITTEN BY", "AGE")]
+        rows = [("STEP", "STATE", "SIZE", "FILES", "WRITTEN BY", "AGE", "METRICS")]
         for c in listing.checkpoints:
             state = c.state + (", the tracker's" if c.tracker else "")
             if c.state.startswith("leftover"):
@@ -209,11 +208,11 @@ def format_listing(listing: RunListing) -> str:
             writer = (f"dist_ckpt {c.writer['dist_ckpt']}, torch {c.writer['torch'].split('+')[0]}" if c.writer
                       else "not recorded" if c.state == "committed" else "")
             age = human_age(listing.listed_at - c.modified) if c.modified is not None else "?"
-            rows.append((str(c.step), state, human_size(c.bytes), str(c.files), writer, age))
+            rows.append((str(c.step), state, human_size(c.bytes), str(c.files), writer, age, format_metrics(c.metrics)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         for row in rows:
             cells = [row[0].rjust(widths[0]), row[1].ljust(widths[1]), row[2].rjust(widths[2]),
-                     row[3].rjust(widths[3]), row[4].ljust(widths[4]), row[5].rjust(widths[5])]
+                     row[3].rjust(widths[3]), row[4].ljust(widths[4]), row[5].rjust(widths[5]), row[6]]
             lines.append("  " + "  ".join(cells).rstrip())
     if any(c.state.startswith("leftover") for c in listing.checkpoints):
         lines.append(f"  leftovers are removed by the next save's retention, or now by: dist-ckpt clean {listing.run}")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Mapping, Optional
 
-__all__ = ["counted", "human_size", "human_age"]
+__all__ = ["counted", "human_size", "human_age", "format_metrics"]
 
 
 def counted(count: int, noun: str, plural: Optional[str] = None) -> str:
@@ -30,3 +30,11 @@ def human_age(seconds: Optional[float]) -> str:
         if seconds >= length:
             return f"{int(seconds // length)} {unit}"
     return f"{int(seconds)} s"
+
+
+def format_metrics(metrics: Optional[Mapping[str, Any]]) -> str:
+    """Recorded metrics as "val_loss=1.93 tokens=2e+09" (numbers to 4 significant digits); "" for none."""
+    if not metrics:
+        return ""
+    return " ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                    for name, value in metrics.items())
