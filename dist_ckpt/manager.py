@@ -297,8 +297,8 @@ class CheckpointManager:
             self._wait_within_grace()
         finally:
             self._stopped = True
-            logger.warning("stopping after step %s (%s): the tracker names step %s", step, self.stop_reason,
-                           read_tracker(self.location) if self.dist.is_coordinator else "?")
+            tracked = f": the tracker names step {read_tracker(self.location)}" if self.dist.is_coordinator else ""
+            logger.warning("stopping after step %s (%s)%s", step, self.stop_reason, tracked)
 
     def _wait_within_grace(self) -> bool:
         """``wait()``; with a grace period, only until it ends, when every rank abandons what is
@@ -740,12 +740,15 @@ class CheckpointManager:
         tracker names one; the coordinator decides which), as ``initial_selection`` selects."""
         source = self.dist.all_reduce(lambda: None, lambda _: self._initial_checkpoint())
         request, left_out = self.initial_selection.apply(sharded_state_dict)
-        logger.warning("no checkpoint of this run in %s: starting from initial_load %s%s", self.root, source,
-                       f" without {', '.join(left_out)}" if left_out else "")
         options = {"storage_options": self.storage_options} if self.storage_options and "://" in source else {}
-        result = load(request, source, **options, **load_kwargs)
+        raw = load(request, source, **options, **load_kwargs)
+        selected, also_left_out = self.initial_selection.apply(raw[0] if isinstance(raw, tuple) else raw)
+        left_out += [path for path in also_left_out if path not in left_out]  # the checkpoint's common state
+        result = (selected, *raw[1:]) if isinstance(raw, tuple) else selected
         self.loaded_step, self.loaded_tier, self.loaded_from = None, "initial", source
-        return _selected(cast(StateDict, result), self.initial_selection)
+        logger.warning("no checkpoint of this run in %s: started from initial_load %s%s", self.root, source,
+                       f" without {', '.join(left_out)}" if left_out else "")
+        return result
 
     def _initial_checkpoint(self) -> str:
         """``initial_load`` itself when it holds a checkpoint (of any format), else the committed

@@ -63,7 +63,7 @@ def checked_metrics(metrics: Mapping[str, Any]) -> Metrics:
 def metrics_bytes(metrics: Mapping[str, Any]) -> bytes:
     """The file's content for ``metrics`` (checked first)."""
     content = {"format": _FORMAT, "version": _VERSION, "metrics": checked_metrics(metrics)}
-    return json.dumps(content, sort_keys=True).encode()
+    return json.dumps(content).encode()  # the order given: the order shown
 
 
 def write_metrics_record(directory: Union[str, Path], metrics: Mapping[str, Any]) -> bytes:
