@@ -78,9 +78,11 @@ def _scripts() -> list:
 
 def test_every_script_runs_with_its_commands_under_torchrun(tmp_path):
     """README's and Getting started's torchrun example: 2 ranks save, 3 and then 4 resume the run
-    in their own splits (the script asserts every value), and ``dist-ckpt ls`` lists it."""
+    in their own splits (the script asserts every value), and ``dist-ckpt ls`` lists it; the
+    manager guide's loop is preempted, saves and stops, then resumes and keeps its best."""
     scripts = _scripts()
-    assert {(str(page), name) for page, name, _, _ in scripts} >= {("README.md", "train_resharding.py")}
+    assert {(str(page), name) for page, name, _, _ in scripts} >= {("README.md", "train_resharding.py"),
+                                                                   ("docs/guides/manager.md", "train_with_policies.py")}
     assert any(any(c.startswith("torchrun ") for c in commands) for _, _, _, commands in scripts)
     for page, name, script, commands in scripts:
         work = tmp_path / name.replace(".", "_")
@@ -100,3 +102,9 @@ def test_every_script_runs_with_its_commands_under_torchrun(tmp_path):
             listed = outputs[3].splitlines()
             assert listed[0].endswith(": 2 checkpoints committed, the tracker names step 15"), listed
             assert [row.split()[:2] for row in listed[2:]] == [["14", "committed"], ["15", "committed,"]], listed
+        if name == "train_with_policies.py":  # preempted at step 50 (a SIGTERM to rank 1), then resumed to 100
+            assert outputs[:2] == ["2 ranks: steps 1-50, stopped: preemption (a signal on another rank)\n",
+                                   "2 ranks: steps 51-100\n"], outputs
+            listed = outputs[2].splitlines()
+            assert [row.split()[:2] for row in listed[2:]] == [["80", "committed"], ["100", "committed,"]], listed
+            assert listed[2].endswith("val_loss=1.25") and listed[3].endswith("val_loss=1"), listed
