@@ -226,7 +226,7 @@ class CheckpointManager:
                                  "saved to root; the local tier takes the others)")
             session = local_session if local_session is not None else default_local_session(str(self.root))
             self.local = LocalTier(local_dir, session, local_replication_factor, local_replication_jump)
-        self.best = (BestCheckpoints(cast(str, best_metric), keep_best, best_mode, keep_without_metric)
+        self.best = (BestCheckpoints(cast(str, best_metric), cast(int, keep_best), best_mode, keep_without_metric)
                      if keep_best is not None or best_metric is not None else None)
         self._metrics: Dict[int, Optional[Metrics]] = {}  # committed steps' recorded metrics, read once
         self.initial_load = initial_load
@@ -740,7 +740,8 @@ class CheckpointManager:
         tracker names one; the coordinator decides which), as ``initial_selection`` selects."""
         source = self.dist.all_reduce(lambda: None, lambda _: self._initial_checkpoint())
         request, left_out = self.initial_selection.apply(sharded_state_dict)
-        options = {"storage_options": self.storage_options} if self.storage_options and "://" in source else {}
+        options: Dict[str, Any] = ({"storage_options": self.storage_options} if self.storage_options and "://" in source
+                                   else {})
         raw = load(request, source, **options, **load_kwargs)
         selected, also_left_out = self.initial_selection.apply(raw[0] if isinstance(raw, tuple) else raw)
         left_out += [path for path in also_left_out if path not in left_out]  # the checkpoint's common state
@@ -748,7 +749,7 @@ class CheckpointManager:
         self.loaded_step, self.loaded_tier, self.loaded_from = None, "initial", source
         logger.warning("no checkpoint of this run in %s: started from initial_load %s%s", self.root, source,
                        f" without {', '.join(left_out)}" if left_out else "")
-        return result
+        return cast(StateDict, result)
 
     def _initial_checkpoint(self) -> str:
         """``initial_load`` itself when it holds a checkpoint (of any format), else the committed
