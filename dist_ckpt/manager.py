@@ -45,10 +45,10 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
-from collections import Counter
 import signal
 import time
+from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union, cast
 
 from .core import CONFIG_FNAME, CheckpointingException, CheckpointNotFoundError, CorruptCheckpointError
@@ -152,10 +152,11 @@ class CheckpointManager:
             manager's creation): the first ``should_save`` after it saves and stops (set it to
             the job's time limit minus a save and a step).
         started_at: the job's start (``time.time()``), for ``exit_after_s``.
-        keep_best, best_metric, best_mode, keep_without_metric: also keep the ``keep_best``
-            checkpoints with the lowest (``best_mode="min"``) or highest ("max") value of the
-            metric ``best_metric`` given to ``save(metrics=...)``; ones without it are kept
-            (``keep_without_metric``) or left to the other rules.
+        keep_best: also keep this many best checkpoints by ``best_metric`` (``policies.retention``).
+        best_metric: the name, given to ``save(metrics=...)``, that ``keep_best`` ranks by.
+        best_mode: "min" (the lowest value is the best: a loss) or "max" (an accuracy).
+        keep_without_metric: whether ``keep_best`` keeps the checkpoints that did not record
+            ``best_metric`` (True, Orbax's default) or leaves them to the other rules.
         initial_load: a checkpoint (or another run's root: the step its tracker names) that
             ``load()`` reads when this run has none of its own - a fine-tune's start, in any
             layout; ``initial_load_include`` / ``initial_load_exclude`` select what of it is
@@ -241,8 +242,6 @@ class CheckpointManager:
         self._last_persistent_step: Optional[Step] = None  # the step of this run's last save to root
         if self._save_schedule.watch is not None:
             self._save_schedule.watch.arm()
-
-    # -- saving ------------------------------------------------------------------------------
 
     # -- deciding ------------------------------------------------------------------------------
 
@@ -702,7 +701,7 @@ class CheckpointManager:
                     self._loaded(local_step, tier="local")
                     return result
         if self.initial_load is not None:
-            if not candidates and not failures and (self.local is None or self.local.find_latest() < 0):
+            if not candidates and not failures:  # nothing committed, and no local step (it would have been tried)
                 return self._load_initial(sharded_state_dict, **load_kwargs)
             logger.info("%s holds checkpoints of this run: resuming from them; initial_load=%s is not used",
                         self.root, self.initial_load)
