@@ -611,6 +611,19 @@ class CheckpointManager:
         steps = (step_of_checkpoint_dir(entry) for entry in self.location.committed())
         return sorted(step for step in steps if isinstance(step, int))
 
+    def best_step(self, metric: Optional[str] = None, mode: Optional[str] = None) -> Optional[int]:
+        """The committed step with the best recorded ``metric`` (default: ``best_metric``;
+        ``mode`` default: ``best_mode``), ties to the newer; None when none recorded it.
+        For an evaluation or an export: ``mgr.load(state, step=mgr.best_step())``."""
+        name = metric if metric is not None else self.best.metric if self.best is not None else None
+        if name is None:
+            raise InvalidPolicyError("best_step needs a metric: pass best_step('val_loss') or best_metric= to the manager")
+        rule = BestCheckpoints(name, 1, mode or (self.best.mode if self.best is not None else "min"),
+                               keep_without_metric=False)
+        order = self.commit_order()
+        best = rule.keep(order, self._recorded_metrics(order))
+        return best.pop() if best else None
+
     def commit_order(self) -> List[int]:
         """Committed checkpoints' steps in the order they were committed, last committed last
         (``commit_order``; checkpoints from before the record first, by step)."""

@@ -193,12 +193,15 @@ def test_keep_best_by_a_metric_beside_keep_last(tmp_path):
     mgr.save(8, _weights(8.0), metrics={"val_loss": 0.5})
     mgr.wait()
     assert mgr.steps() == [4, 7, 8]  # best two: 8 (0.5) and 4 (1.0); the last one: 8; 7 has no metric
+    assert mgr.best_step() == 8 and mgr.best_step(mode="max") == 4 and mgr.best_step("accuracy") is None
     mgr.close()
     # a new manager (a resumed run) ranks what the checkpoints recorded
     again = CheckpointManager(root, keep_last=1, keep_best=1, best_metric="val_loss", keep_without_metric=False)
     again.save(9, _weights(9.0), metrics={"val_loss": 9.0}, blocking=True)
     again.close()
-    assert again.steps() == [8, 9]
+    assert again.steps() == [8, 9] and again.best_step() == 8
+    with pytest.raises(InvalidPolicyError, match=r"best_step needs a metric"):
+        CheckpointManager(root).best_step()
 
 
 def test_a_preemption_signal_saves_the_step_synchronously_and_stops(tmp_path):
