@@ -12,6 +12,7 @@ import torch
 import dist_ckpt
 from dist_ckpt import ShardedObject, ShardedTensor
 from dist_ckpt.dict_utils import tensors_bitwise_equal
+from dist_ckpt.tools.check import validate_checkpoint
 from dist_helpers import run_distributed
 from conftest import FIXTURES
 
@@ -131,3 +132,36 @@ def test_the_zarr_python_reader_is_chosen_by_name():
     by_name = dist_ckpt.load(request, ZARR_FIXTURE, sharded_strategy=("zarr-python", 1))
     for key, (shape, dtype, _, _) in SPEC.items():
         assert tensors_bitwise_equal(by_name[key], global_tensor(key, shape, dtype)), key
+
+
+_EDGE_KINDS = {
+    "zeros": torch.zeros(4, 3),  # a fresh bias, optimizer state at step 0: every chunk equals zarr's default fill
+    "neg_zero": torch.full((2, 2), -0.0),  # compares equal to the fill value, differs in its bits
+    "scalar": torch.tensor(3.5),  # 0-d
+    "zero_scalar": torch.tensor(0.0),
+    "empty": torch.zeros(0, 4),
+    "bool_false": torch.zeros(5, dtype=torch.bool),
+    "bf16_zeros": torch.zeros(3, dtype=torch.bfloat16),
+    "int_mixed": torch.tensor([[0, 0], [7, 0]], dtype=torch.int32),  # one chunk per row below: one of them all zero
+}
+
+
+def _edge_state(empty: bool = False) -> dict:
+    return {key: ShardedTensor.from_rank_offsets(key, torch.full_like(value, 7) if empty else value.clone())
+            for key, value in _EDGE_KINDS.items()}
+
+
+@pytest.mark.parametrize("reader", [None, "zarr-python"], ids=["tensorstore", "zarr-python"])
+def test_all_zero_and_zero_dim_tensors_round_trip_through_zarr(tmp_path, reader):
+    """zarr-python skips chunks equal to its fill value and made every read result at least 1-d:
+    an all-zero tensor failed to save (its chunk file was never written) and a 0-d one to load."""
+    ckpt = tmp_path / "ckpt"
+    dist_ckpt.save(_edge_state(), ckpt, sharded_strategy=("zarr", 1))
+    assert (ckpt / "zeros" / "0.0").stat().st_size == 4 * 3 * 4 and (ckpt / "bool_false" / "0").is_file()
+    assert (ckpt / "scalar" / "0").read_bytes() == torch.tensor(3.5).numpy().tobytes()
+    loaded = dist_ckpt.load(_edge_state(empty=True), ckpt,
+                            sharded_strategy=None if reader is None else (reader, 1))
+    for key, value in _EDGE_KINDS.items():
+        assert loaded[key].shape == value.shape and tensors_bitwise_equal(loaded[key], value), key
+    assert torch.signbit(loaded["neg_zero"]).all()
+    assert validate_checkpoint(ckpt).ok

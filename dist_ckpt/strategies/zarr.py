@@ -1,8 +1,8 @@
 """The 'zarr' v1 backend with zarr-python 3: save, and a reader one picks by name.
 
 zarr-python 3 has no bfloat16; ``BFloat16`` below registers one (numpy dtype from
-ml_dtypes, zarr v2 name ``"bfloat16"``) so that arrays are created, written and read by
-zarr-python for every dtype. The default reader of zarr checkpoints is tensorstore
+ml_dtypes, zarr v2 name ``"bfloat16"``) so that arrays are created and read by zarr-python for
+every dtype. The default reader of zarr checkpoints is tensorstore
 (``tensorstore.py``); ``ZarrLoadShardedStrategy`` here reads with zarr-python, registered as
 ``("zarr-python", 1)``: ``load(..., sharded_strategy=("zarr-python", 1))`` (a machine without
 tensorstore, or a second opinion on a file tensorstore reads).
@@ -11,13 +11,15 @@ Save call order (every rank, collective):
   1. each rank describes its main-replica shards; the coordinator checks them, picks the
      chunk grid per key (the sharding grid; for uneven splits the largest grid every shard
      boundary falls on) and creates each array once; the others wait for it;
-  2. each rank writes exactly the chunks of its own shards (whole chunks: no read-modify-
-     write), fsyncs them, and failures are shared with all ranks.
+  2. each rank writes exactly the chunk files of its own shards (whole chunks: no read-modify-
+     write; the bytes themselves, see ``_write_shards``), fsyncs them, and failures are shared
+     with all ranks.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
@@ -45,6 +47,7 @@ from .zarr_format import (
     ZarrArrayMeta,
     check_zarr_key,
     chunk_regions,
+    read_zarray,
     torch_to_numpy,
 )
 
@@ -189,23 +192,28 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
     @staticmethod
     def _write_shards(checkpoint_dir: Path, main: List[ShardedTensor], recorder: Recorder) -> None:
-        arrays: Dict[str, Any] = {}
+        """Each chunk file of this rank's shards, written here: an uncompressed, unfiltered
+        C-order zarr v2 chunk is exactly the chunk's bytes. Not through zarr-python, which skips
+        a chunk equal to its fill value (an all-zero bias, optimizer state at step 0: every
+        element 0 or -0.0), leaving no file where the format then has no value (the fill value is
+        null)."""
+        metas: Dict[str, ZarrArrayMeta] = {}
         for sh in main:
-            if sh.key not in arrays:
-                arrays[sh.key] = zarr.open_array(str(checkpoint_dir / sh.key), mode="r+", zarr_format=2)
-            array = arrays[sh.key]
-            values = torch_to_numpy(sh.require_data())
-            array[sh.global_slice()] = values
-            meta = ZarrArrayMeta(sh.key, tuple(array.shape), tuple(array.chunks), sh.dtype, ".")
+            if sh.key not in metas:
+                metas[sh.key] = read_zarray(checkpoint_dir, sh.key)
+            meta = metas[sh.key]
             box = sh.global_box()
-            values = values.reshape(box.shape)
+            values = torch_to_numpy(sh.require_data()).reshape(box.shape)
             for name, chunk in chunk_regions(meta, box):
-                # The chunk file holds exactly these bytes (no compressor, C order): hash them
-                # from memory instead of reading the file back.
                 part = np.ascontiguousarray(values[chunk.slices_in(box)])
-                recorder.add_bytes(f"{sh.key}/{name}", memoryview(part.reshape(-1).view(np.uint8)), sh.key)  # type: ignore[arg-type]
-                fsync_path(checkpoint_dir / sh.key / name)
-        for key in arrays:
+                data = memoryview(part.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+                path = checkpoint_dir / sh.key / name
+                with open(path, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                recorder.add_bytes(f"{sh.key}/{name}", data, sh.key)
+        for key in metas:
             fsync_directory(checkpoint_dir / key)
 
 

@@ -177,11 +177,14 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def numpy_to_torch(a: np.ndarray, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``a`` as a tensor of ``dtype``, its shape kept (``np.ascontiguousarray`` alone makes a
+    0-d array 1-d)."""
+    contiguous = np.ascontiguousarray(a).reshape(a.shape)
     if dtype == torch.bfloat16:
         if a.dtype.itemsize != 2 or a.dtype.name != "bfloat16":
             raise CorruptCheckpointError(f"{what}: read {a.dtype}, expected bfloat16")
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    result = torch.from_numpy(np.ascontiguousarray(a))
+        return torch.from_numpy(contiguous.view(np.int16)).view(torch.bfloat16)
+    result = torch.from_numpy(contiguous)
     if result.dtype != dtype:
         raise CorruptCheckpointError(f"{what}: read {a.dtype}, expected {dtype}")
     return result
