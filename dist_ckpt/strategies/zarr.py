@@ -127,7 +127,9 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                         f"optimizer state); save with the torch_dist backend"
                     )
                 if sh.dtype not in ZARR_DTYPES:
-                    raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend")
+                    raise ShardingError(f"'{sh.key}': dtype {sh.dtype} is not supported by the zarr backend (zarr has "
+                                        f"no such type, and no zarr reader of Megatron-Core knows it); save with the "
+                                        f"torch_dist backend")
             return [sh.without_data() for sh in main]  # what the coordinator needs, no bytes
 
         def create_arrays(all_descs: List[List[ShardedTensor]]) -> Dict[str, bytes]:

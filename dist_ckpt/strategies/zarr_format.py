@@ -49,7 +49,10 @@ __all__ = [
 
 ZARRAY = ".zarray"
 
-# torch dtype -> the zarr v2 dtype string Megatron-Core 0.10 (zarr 2.18 + numpy) wrote
+# torch dtype -> the zarr v2 dtype string Megatron-Core 0.10 (zarr 2.18 + numpy) wrote. The
+# complex kinds are in Megatron-Core 0.10's reader too; uint16-64 are not (it refuses them), but
+# they are core zarr types that tensorstore and zarr-python read. float8 is no zarr type (only
+# tensorstore's own extension names) and no Megatron-Core reader knows it: refused, by name.
 ZARR_DTYPES: Dict[torch.dtype, str] = {
     torch.float32: "<f4",
     torch.float16: "<f2",
@@ -61,6 +64,11 @@ ZARR_DTYPES: Dict[torch.dtype, str] = {
     torch.int32: "<i4",
     torch.int64: "<i8",
     torch.bool: "|b1",
+    torch.complex64: "<c8",
+    torch.complex128: "<c16",
+    torch.uint16: "<u2",
+    torch.uint32: "<u4",
+    torch.uint64: "<u8",
 }
 _TORCH_BY_ZARR = {v: k for k, v in ZARR_DTYPES.items()}
 _TORCH_BY_ZARR.update({"<i1": torch.int8, "<u1": torch.uint8, "<b1": torch.bool})

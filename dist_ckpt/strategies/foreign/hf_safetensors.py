@@ -41,6 +41,7 @@ SAFETENSORS_DTYPES: Dict[str, torch.dtype] = {
         "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
         "U16": "uint16", "U32": "uint32", "U64": "uint64",
         "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",  # safetensors >= 0.5 reads these
     }.items()
     if hasattr(torch, attr)
 }
