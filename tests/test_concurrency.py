@@ -408,7 +408,7 @@ def test_a_writer_stuck_in_its_fork_is_replaced(monkeypatch, caplog):
     from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
 
     monkeypatch.setattr(async_utils, "WRITER_READY_TIMEOUT_S", 1.0)
-    caller = PersistentAsyncCaller(timeout_s=60)
+    caller = PersistentAsyncCaller(timeout_s=60, start_method="fork")  # a writer warmed up before the state exists
     _STUCK_FORKS[0] = 1
     try:
         with caplog.at_level("WARNING", logger=async_utils.__name__):
@@ -434,7 +434,7 @@ def test_a_writer_that_never_starts_fails_the_request_not_the_schedule(monkeypat
     from dist_ckpt.strategies.async_utils import WRITER_START_ATTEMPTS, AsyncRequest, PersistentAsyncCaller
 
     monkeypatch.setattr(async_utils, "WRITER_READY_TIMEOUT_S", 0.5)
-    caller = PersistentAsyncCaller(timeout_s=60)
+    caller = PersistentAsyncCaller(timeout_s=60, start_method="fork")  # a writer warmed up before the state exists
     _STUCK_FORKS[0] = WRITER_START_ATTEMPTS
     try:
         failed = AsyncRequest(_sleep_and_return, (0, 1), [])

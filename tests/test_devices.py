@@ -196,11 +196,10 @@ def test_the_writer_process_is_spawned_once_cuda_is_initialised(tmp_path, monkey
 
     from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller, writer_start_method
 
-    assert writer_start_method() == "fork"  # this process never touched CUDA
+    assert writer_start_method() == "spawn"  # a writer started at a save: the state exists by then
     monkeypatch.setattr(test_devices, "_MARK", "parent")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    assert writer_start_method() == "spawn"
-    caller = PersistentAsyncCaller()
+    caller = PersistentAsyncCaller(start_method="fork")  # asked to fork, with CUDA initialised: spawned
     try:
         request = AsyncRequest(test_devices._inherited_mark, (), [])
         caller.schedule_async_call(request)

@@ -287,6 +287,8 @@ def _async_save_with_killed_writer(rank, world, ckpt, kill_rank):
             return original(self, data)
 
         integrity_mod.HashingWriter._write_raw = write
+    # a writer forked now runs the injected write (one spawned at the save would import a fresh copy)
+    dist_ckpt.AsyncCallsQueue.warmup_persistent_caller(rank, mp_mode="fork")
     try:
         request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
                                  sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
@@ -331,6 +333,7 @@ def _async_save_with_a_hung_writer(rank, world, ckpt, fail_rank, blocking):
         return original(self, data)
 
     integrity_mod.HashingWriter._write_raw = write
+    dist_ckpt.AsyncCallsQueue.warmup_persistent_caller(rank, mp_mode="fork")  # it runs the injected write
     request = dist_ckpt.save(_state(rank, world, 2), ckpt, overwrite=True, async_sharded_save=True,
                              sharded_strategy=TorchDistSaveShardedStrategy(async_writer="process"))
     queue = dist_ckpt.AsyncCallsQueue()
@@ -393,6 +396,7 @@ def _two_async_saves_first_fails_and_hangs(rank, world, root):
         return original(self, data)
 
     integrity_mod.HashingWriter._write_raw = write
+    dist_ckpt.AsyncCallsQueue.warmup_persistent_caller(rank, mp_mode="fork")  # it runs the injected write
     queue = dist_ckpt.AsyncCallsQueue()
     for name in ("a", "b"):
         queue.schedule_async_request(dist_ckpt.save(

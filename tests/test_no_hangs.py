@@ -96,6 +96,8 @@ def _save_with_failure(rank, world, ckpt, case):
     replaced = 0  # seconds this rank spent replacing a writer stuck in its fork (CPython gh-112275)
     try:
         if case.startswith(("write", "staging")):
+            if case.startswith("writer"):  # forked, so that it runs the injected write (a spawned one would not)
+                dist_ckpt.AsyncCallsQueue.warmup_persistent_caller(rank, mp_mode="fork")
             request = dist_ckpt.save(_state(rank, world, extra), ckpt, async_sharded_save=True)
             queue = dist_ckpt.AsyncCallsQueue(persistent=case.startswith("writer"),
                                               timeout_s=1 if case == "writer_stuck" else 600)

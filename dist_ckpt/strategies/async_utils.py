@@ -61,6 +61,7 @@ __all__ = [
     "WRITER_READY_TIMEOUT_S",
     "SPAWNED_WRITER_READY_TIMEOUT_S",
     "writer_start_method",
+    "writes_through_a_process",
     "WriteStoppedForPeer",
 ]
 
@@ -308,15 +309,32 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
 
 
 def writer_start_method() -> str:
-    """How the persistent writer process is started: "spawn" once this process has initialised
-    CUDA, else "fork".
+    """How a persistent writer process started at a save is started: "spawn".
 
-    Why: a forked child inherits the parent's CUDA context, NCCL communicators and the objects
-    that own them; the first of those its garbage collector frees, or any CUDA call, breaks the
-    child or the parent's devices (Megatron-Core spawns its persistent worker for this reason). A
-    spawned child shares nothing but what it is sent: staged tensors in shared memory. A process
-    without CUDA forks, which starts in milliseconds where a spawned writer first imports torch."""
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    Why not fork: the first asynchronous save comes after the training state exists, and a
+    forked child holds every page of it copy-on-write. Each page the training loop changes
+    afterwards is then duplicated, and the idle writer keeps the old copy through every later
+    save: 2.01x the state in extra host memory, measured. A spawned child shares nothing but
+    what it is sent (staged tensors in shared memory); it also inherits no CUDA context or NCCL
+    communicator (Megatron-Core spawns its persistent worker for that reason). Its start (it
+    imports torch) does not block the training loop: the first job waits in the writer's queue.
+    ``AsyncCallsQueue.warmup_persistent_caller`` starts one earlier, before the state exists,
+    where forking is safe (Megatron-LM's ``--use-persistent-ckpt-worker`` does at initialization)."""
+    return "spawn"
+
+
+_warm_callers: "List[PersistentAsyncCaller]" = []  # started by warmup_persistent_caller, not yet taken
+_process_writer_queues: "weakref.WeakSet[AsyncCallsQueue]" = weakref.WeakSet()
+_writers_lock = threading.Lock()
+
+
+def writes_through_a_process() -> bool:
+    """Whether this process hands its checkpoint writes to a writer process: an
+    ``AsyncCallsQueue(persistent=True)`` exists, or a writer was warmed up. Staging then goes
+    into shared memory from the start (``strategies.dcp.staging``), so that handing a staged
+    tensor to the writer copies nothing again."""
+    with _writers_lock:
+        return bool(_warm_callers) or len(_process_writer_queues) > 0
 
 
 class PersistentAsyncCaller(AsyncCaller):
@@ -330,8 +348,9 @@ class PersistentAsyncCaller(AsyncCaller):
     requests fail with a ``CheckpointingException`` naming it, and the next request starts a new
     process."""
 
-    def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, start_method: Optional[str] = None) -> None:
         super().__init__(timeout_s)
+        self.start_method = start_method  # None: writer_start_method()
         self._process: Any = None
         self._jobs: Any = None
         self._results: Any = None
@@ -351,14 +370,19 @@ class PersistentAsyncCaller(AsyncCaller):
             return
         if self._process is not None and self._pending:  # their writer died: they fail now, not hang beside
             self._fail_dead_writer()                     # a new writer that never got them
-        method = writer_start_method()
+        method = self.start_method if self.start_method is not None else writer_start_method()
+        if torch.cuda.is_initialized() and method == "fork":
+            method = "spawn"  # a forked child would inherit the CUDA context
         if method == "fork" and threading.current_thread() is not threading.main_thread():
             raise CheckpointingException(
                 "the persistent checkpoint writer is started from the main thread only (forking from "
                 "another thread can deadlock the child); schedule the request from the main thread"
             )
         ctx: Any = torch_mp.get_context(method)
-        ready_timeout = WRITER_READY_TIMEOUT_S if method == "fork" else SPAWNED_WRITER_READY_TIMEOUT_S
+        if method != "fork":  # nothing can be stuck in a fork: the first job waits in the queue
+            self._start_unforked(ctx, method)
+            return
+        ready_timeout = WRITER_READY_TIMEOUT_S
         # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
         # thread, and a thread ending during the fork is what can hang the fork (below).
         retired = [self._jobs, self._results]
@@ -389,6 +413,19 @@ class PersistentAsyncCaller(AsyncCaller):
             f"{'forks' if method == 'fork' else 'starts'}, each stuck for "
             f"{ready_timeout:.0f} s); save synchronously or with async_writer=\"thread\""
         )
+
+    def _start_unforked(self, ctx: Any, method: str) -> None:
+        """A spawned (or forkserver) writer: started, not waited for. Until it imports torch and
+        runs, jobs wait in its queue (their timeout counts from their start in the writer); if
+        it dies on the way, the pending jobs fail naming it (``wait_for``)."""
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
+                              name="dist_ckpt-writer", daemon=True)
+        with helpers_starting(method):  # a Ctrl-C now is the training process's, not a traceback in the writer
+            process.start()
+        self._process = process
+        self._known_arenas = set()
+        logger.debug("started the persistent checkpoint writer (%s), pid %d", method, process.pid)
 
     def _wait_until_ready(self, process: Any, timeout_s: float) -> bool:
         """Whether the new writer says it runs within ``timeout_s``."""
@@ -447,6 +484,8 @@ class PersistentAsyncCaller(AsyncCaller):
             token, kind, value = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
         except queue_module.Empty:
             return False
+        if token == _READY:  # a writer started without waiting says it runs
+            return True
         if kind == "started":
             if token in self._pending:
                 self._pending[token] = (self._pending[token][0], time.monotonic())
@@ -573,6 +612,25 @@ class AsyncCallsQueue:
         self.persistent = persistent
         self.timeout_s = timeout_s
         self._persistent_caller: Optional[PersistentAsyncCaller] = None
+        if persistent:
+            with _writers_lock:
+                _process_writer_queues.add(self)
+
+    @classmethod
+    def warmup_persistent_caller(cls, rank: Optional[int] = None, mp_mode: str = "spawn", cpu_priority: int = 10,
+                                 io_priority: Optional[int] = None) -> None:
+        """Start a writer process now, for the first queue that writes through one to take
+        (Megatron-Core's API; Megatron-LM calls it at initialization with
+        ``--use-persistent-ckpt-worker``). Called before the training state exists, even a forked
+        writer inherits none of it (``mp_mode``: "spawn", "forkserver" or "fork"); from then on
+        staging goes into shared memory (``writes_through_a_process``). The priorities are
+        Megatron-Core's arguments: the writer always runs at ``WRITER_NICE``."""
+        if mp_mode not in ("spawn", "forkserver", "fork"):
+            raise CheckpointingException(f"mp_mode must be 'spawn', 'forkserver' or 'fork', got {mp_mode!r}")
+        caller = PersistentAsyncCaller(start_method=mp_mode)
+        caller._ensure_process()
+        with _writers_lock:
+            _warm_callers.append(caller)
 
     @property
     def dist(self) -> DistWrapper:
@@ -585,7 +643,11 @@ class AsyncCallsQueue:
         if not use_process:
             return TemporalAsyncCaller(self.timeout_s)
         if self._persistent_caller is None:
-            self._persistent_caller = PersistentAsyncCaller(self.timeout_s)
+            with _writers_lock:
+                warm = _warm_callers.pop(0) if _warm_callers else None
+            if warm is not None:
+                warm.timeout_s = self.timeout_s
+            self._persistent_caller = warm or PersistentAsyncCaller(self.timeout_s)
         return self._persistent_caller
 
     def schedule_async_request(self, request: AsyncRequest) -> int:

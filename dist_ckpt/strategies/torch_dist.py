@@ -61,7 +61,7 @@ from ..runtime.in_flight import AfterCopies
 from ..sharding.fingerprint import structure_fingerprint
 from ..sharding.geometry import find_overlap
 from ..sharding.regions import RequestedRegions
-from .async_utils import AsyncRequest
+from .async_utils import AsyncRequest, writes_through_a_process
 from .base import AsyncSaveShardedStrategy, LoadShardedStrategy
 from .interfaces import IndexPart
 from .dcp.files import DCP_METADATA_FNAME, DcpReader, checked_extensions, write_dcp_files, write_dcp_metadata
@@ -354,8 +354,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return staged
 
     def _staging_buffers(self) -> StagingBuffers:
-        if self._staging is None:
-            self._staging = StagingBuffers(self.async_staging_budget, shared=self.async_writer == "process")
+        """The strategy's staging buffers: in shared memory when a writer process will read them
+        (``async_writer="process"``, or a persistent queue or warmed-up writer in this process:
+        ``writes_through_a_process``), so that handing them over copies nothing."""
+        shared = self.async_writer == "process" or writes_through_a_process()
+        if self._staging is None or self._staging.shared != shared:
+            self._staging = StagingBuffers(self.async_staging_budget, shared=shared)
         return self._staging
 
     def save_stream(self, batches: Iterable[ShardedStateDict], checkpoint_dir: Path) -> None:

@@ -19,7 +19,6 @@ Save call order (every rank, collective):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
@@ -212,9 +211,8 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
                 path = checkpoint_dir / sh.key / name
                 with open(path, "wb") as f:
                     f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
                 recorder.add_bytes(f"{sh.key}/{name}", data, sh.key)
+                fsync_path(path)
         for key in metas:
             fsync_directory(checkpoint_dir / key)
 

@@ -200,7 +200,8 @@ def format_listing(listing: RunListing) -> str:
                + ("" if any(c.tracker for c in committed) else " (not committed here)"))
     lines = [f"{listing.run}: {counted(len(committed), 'checkpoint')} committed, {tracker}"]
     if listing.checkpoints:
-        rows = [("STEP", "STATE", "SIZE", "FILES", "WRITTEN BY", "AGE", "METRICS")]
+        with_metrics = any(c.metrics for c in listing.checkpoints)  # a column only for runs that record them
+        rows = [("STEP", "STATE", "SIZE", "FILES", "WRITTEN BY", "AGE", "METRICS" if with_metrics else "")]
         for c in listing.checkpoints:
             state = c.state + (", the tracker's" if c.tracker else "")
             if c.state.startswith("leftover"):
