@@ -66,7 +66,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -557,7 +557,8 @@ def measure(root: Path, gib: float, repeat: int, out: Dict[str, Any], progress: 
     def sync_saves(i: int) -> None:  # the disk holds the first of each (loaded below) and at most one more
         _sync()
         start = time.perf_counter()
-        dist_ckpt.save(sharded(), root / f"sync{i}")
+        with _device_peak(out, "save_peak_device_extra_mib" if i == 0 else None):
+            dist_ckpt.save(sharded(), root / f"sync{i}")
         saves.append(time.perf_counter() - start)
         if i:
             shutil.rmtree(root / f"sync{i}")
@@ -656,8 +657,9 @@ def _loads(root: Path, state: Dict[str, torch.Tensor], repeat: int, nbytes: int,
         drop_page_cache(root / "sync0")
         _sync()
         start = time.perf_counter()
-        dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in targets.items()}, root / "sync0")
-        _sync()
+        with _device_peak(out, "load_peak_device_extra_mib" if not loads else None):
+            dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, v) for k, v in targets.items()}, root / "sync0")
+            _sync()
         loads.append(time.perf_counter() - start)
         record("load_cuda_dist_ckpt", loads)
         drop_page_cache(root / "torch_sync0")
@@ -682,6 +684,21 @@ def _loads(root: Path, state: Dict[str, torch.Tensor], repeat: int, nbytes: int,
                             "floor": round(nbytes / _median(raw) / 1e9, 2)}
         record("load_cuda_floor", raw)
     del view, pinned, on_device
+
+
+@contextlib.contextmanager
+def _device_peak(out: Dict[str, Any], name: Optional[str]) -> Iterator[None]:
+    """``out[name]``: the device memory the block allocated at its peak beyond what was allocated
+    before it, in MiB (a save or a load into existing tensors should need next to none)."""
+    if name is None or not _cuda():
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    yield
+    torch.cuda.synchronize()
+    out[name] = round((torch.cuda.max_memory_allocated() - before) / 2**20, 1)
 
 
 def _dcp_blocked(state: Dict[str, torch.Tensor], root: Path, repeat: int, pinned: bool) -> List[float]:

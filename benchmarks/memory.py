@@ -190,6 +190,21 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
     elif mode == "Megatron-Core load":
         mdc = _megatron()
         mdc.load(_sharded(targets, rank, world, mdc.mapping), str(directory))
+    elif mode == "Megatron-Core async save":
+        mdc = _megatron()
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue as McoreQueue
+
+        mcore_queue = McoreQueue()
+        for i in range(2):
+            if rank == 0:
+                (directory / str(i)).mkdir(parents=True)
+            dist.barrier()
+            request = mdc.save(_sharded(state, rank, world, mdc.mapping), str(directory / str(i)),
+                               async_sharded_save=True)
+            mcore_queue.schedule_async_request(request)
+            _step(state)
+            mcore_queue.maybe_finalize_async_calls(blocking=True)
+        mcore_queue.close()
     else:
         raise ValueError(mode)
     _step(state)
@@ -199,7 +214,7 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
 
 MODES = ["sync save", "async save, thread writer", "async save, process writer", "async save, persistent queue",
          "load", "resharding load", "DCP save", "DCP async save", "DCP load", "Megatron-Core save",
-         "Megatron-Core load"]
+         "Megatron-Core async save", "Megatron-Core load"]
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -12,7 +12,6 @@ dist_ckpt wrote.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Dict
 
 import pytest
