@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -224,18 +225,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--write-docs", dest="write_docs", action="store_true",
                         help="write the table into docs/performance.md (between its benchmark:memory.py markers)")
     args = parser.parse_args(argv)
-    from dist_ckpt.runtime.launch import run_distributed
+    from dist_ckpt.runtime.launch import run_processes
 
     rows: List[List[str]] = []
     state_mib = 0.0
     with tempfile.TemporaryDirectory(dir=os.environ.get("DIST_CKPT_BENCH_DIR")) as root:
         for mode in args.only or MODES:
-            try:
-                per_rank = run_distributed(_job, 2, root, args.size, mode)
-            except Exception as e:  # noqa: BLE001 - a peer that cannot run here is reported, the rest go on
-                print(f"{mode:34s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                rows.append([mode, "-", "-"])
+            # a peer that fails or hangs here (Megatron-Core's forked writer can) is reported, the rest go on
+            outcomes = run_processes(_job, 2, root, args.size, mode, collective_timeout_s=600, deadline_s=900)
+            if not all(isinstance(o.result, dict) for o in outcomes):
+                shutil.rmtree(Path(root) / mode, ignore_errors=True)
+                how = "; ".join(f"rank {o.rank}: " + ("hung" if o.exitcode is None else f"exit code {o.exitcode}")
+                                for o in outcomes if not isinstance(o.result, dict))
+                print(f"{mode:34s} failed: {how}", flush=True)
+                rows.append([mode, f"failed ({how})", "-", "-"])
                 continue
+            shutil.rmtree(Path(root) / mode, ignore_errors=True)  # one mode's checkpoints on disk at a time
+            per_rank = [o.result for o in outcomes]
             peak = max(r["peak"] for r in per_rank)
             after = max(r["after"] for r in per_rank)
             writer = max(r["writer_mib"] for r in per_rank)
