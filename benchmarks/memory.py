@@ -109,6 +109,8 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
     import dist_ckpt
     from run import _megatron, _sharded, model_state
 
+    if mode == "async save, writer forked before the state":  # Megatron-LM's --use-persistent-ckpt-worker
+        dist_ckpt.AsyncCallsQueue.warmup_persistent_caller(rank, mp_mode="fork")
     state = model_state(size_mib, rank, world)
     nbytes = sum(t.numel() * t.element_size() for t, _ in state.values())
     loads = "load" in mode
@@ -136,12 +138,13 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
         for i in range(2):
             dist_ckpt.save(_sharded(state, rank, world), directory / str(i))
             _step(state)
-    elif mode in ("async save, thread writer", "async save, process writer", "async save, persistent queue"):
+    elif mode in ("async save, thread writer", "async save, process writer", "async save, persistent queue",
+                  "async save, writer forked before the state"):
         from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
         writer = "process" if mode.endswith("process writer") else "thread"
         strategy = TorchDistSaveShardedStrategy(async_writer=writer)
-        queue = dist_ckpt.AsyncCallsQueue(persistent=True if mode.endswith("persistent queue") else None)
+        queue = dist_ckpt.AsyncCallsQueue(persistent=True if mode.endswith(("persistent queue", "state")) else None)
         for i in range(2):
             queue.schedule_async_request(dist_ckpt.save(_sharded(state, rank, world), directory / str(i), strategy,
                                                         async_sharded_save=True))
@@ -214,6 +217,7 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
 
 
 MODES = ["sync save", "async save, thread writer", "async save, process writer", "async save, persistent queue",
+         "async save, writer forked before the state",
          "load", "resharding load", "DCP save", "DCP async save", "DCP load", "Megatron-Core save",
          "Megatron-Core async save", "Megatron-Core load"]
 
