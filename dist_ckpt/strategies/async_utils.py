@@ -59,7 +59,6 @@ __all__ = [
     "DEFAULT_WRITE_TIMEOUT_S",
     "AGREE_POLL_S",
     "WRITER_READY_TIMEOUT_S",
-    "SPAWNED_WRITER_READY_TIMEOUT_S",
     "writer_start_method",
     "writes_through_a_process",
     "WriteStoppedForPeer",
@@ -69,8 +68,6 @@ DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this 
 AGREE_POLL_S = 0.2  # a blocking finalization asks the other ranks this often whether a write failed
 WRITER_READY_TIMEOUT_S = 10.0  # a forked writer that has not said it runs after this is stuck in the fork
 WRITER_START_ATTEMPTS = 3
-# a spawned writer imports torch before it says it runs: seconds, more on a loaded node
-SPAWNED_WRITER_READY_TIMEOUT_S = 180.0
 _READY = -1  # the token of the writer's first message: it runs
 
 

@@ -93,12 +93,18 @@ def _sort_key(listing: CheckpointListing) -> Any:
             0 if listing.state == "committed" else 1)
 
 
-def _writer(root: RunRoot, name: str) -> Optional[Dict[str, str]]:
-    """The checkpoint's writer record as a dict, or None where it has none (best effort)."""
+def _small_file(root: RunRoot, name: str, file: str) -> Optional[str]:
+    """One of the checkpoint's small records (writer, metrics), or None where it cannot be read:
+    a listing describes, it never fails on a damaged record."""
     try:
-        raw = root.read_text(f"{name}/{WRITER_FNAME}")
+        return root.read_text(f"{name}/{file}")
     except (OSError, UnicodeDecodeError, CheckpointNotFoundError):
         return None
+
+
+def _writer(root: RunRoot, name: str) -> Optional[Dict[str, str]]:
+    """The checkpoint's writer record as a dict, or None where it has none (best effort)."""
+    raw = _small_file(root, name, WRITER_FNAME)
     record = parse_writer_record(raw.encode()) if raw is not None else None
     return None if record is None else {"dist_ckpt": record.dist_ckpt, "torch": record.torch,
                                         "python": record.python}
@@ -106,10 +112,7 @@ def _writer(root: RunRoot, name: str) -> Optional[Dict[str, str]]:
 
 def _metrics(root: RunRoot, name: str) -> Optional[Dict[str, Any]]:
     """What the checkpoint's save recorded in ``dist_ckpt_metrics.json`` (best effort)."""
-    try:
-        raw = root.read_text(f"{name}/{METRICS_FNAME}")
-    except (OSError, UnicodeDecodeError, CheckpointNotFoundError):
-        return None
+    raw = _small_file(root, name, METRICS_FNAME)
     return parse_metrics_record(raw) if raw is not None else None
 
 
