@@ -14,7 +14,7 @@ PACKAGE = ROOT / "dist_ckpt"
 
 # Bottom-up, as ARCHITECTURE.md describes them; a module belongs to the first prefix it matches.
 LAYERS = [
-    ("1 base", ["dist_ckpt.core", "dist_ckpt._version", "dist_ckpt.runtime"]),
+    ("1 base", ["dist_ckpt.core", "dist_ckpt._version", "dist_ckpt.runtime", "dist_ckpt.standalone"]),
     ("2 what a rank holds", ["dist_ckpt.mapping", "dist_ckpt.sharding", "dist_ckpt.dict_utils", "dist_ckpt.utils",
                              "dist_ckpt.optimizer", "dist_ckpt.exchange_utils"]),
     ("3 integrity and storage", ["dist_ckpt.integrity", "dist_ckpt.storage"]),

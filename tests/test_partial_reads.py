@@ -27,7 +27,7 @@ from dist_ckpt import ShardedTensor
 from dist_ckpt.core import CorruptCheckpointError
 from dist_ckpt.dict_utils import tensors_bitwise_equal
 from dist_ckpt.integrity import manifest as manifest_module
-from dist_ckpt.integrity import recording
+from dist_ckpt.standalone import item_hashing
 from dist_ckpt.integrity.manifest import MANIFEST_FNAME, HashingWriter, block_bytes_for
 from dist_ckpt.strategies.dcp.record import write_tensor_record
 from dist_helpers import run_distributed
@@ -121,8 +121,8 @@ def test_every_manifest_is_version_4_and_ends_with_its_own_hash(tmp_path):
 def test_hashing_writer_blocks_follow_positions_not_writes(monkeypatch, pieces):
     """However the data arrives (one write, writes across block boundaries), the segments are
     cut at the data's start, every block, and the data's end."""
-    monkeypatch.setattr(recording, "MIN_BLOCK_BYTES", 64)
-    monkeypatch.setattr(recording, "MAX_BLOCKS", 1000)
+    monkeypatch.setattr(item_hashing, "MIN_BLOCK_BYTES", 64)
+    monkeypatch.setattr(item_hashing, "MAX_BLOCKS", 1000)
     tensor = torch.arange(200, dtype=torch.float32)  # 800 bytes: 13 blocks of 64 (the last short)
     raw = io.BytesIO()
     writer = HashingWriter(raw)

@@ -36,6 +36,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
+from multiprocessing.reduction import DupFd
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -46,7 +47,11 @@ from ..core import CheckpointingException
 from ..runtime.collectives import DistWrapper
 from ..runtime.in_flight import AfterCopies, OrderedHandOff
 from ..runtime.interrupts import detach_from_interrupts, helpers_starting
-from ..runtime.shared_arena import JobPickler, forget_arenas, live_arena_ids
+from ..runtime.shared_arena import JobPickler, arena_descriptors, live_arena_ids
+from ..runtime.writer_process import PlainWriterProcess, plain_writer_supported
+from ..standalone import arena_table
+from ..standalone.writer_main import READY as _READY
+from ..standalone.writer_main import WRITER_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +73,6 @@ DEFAULT_WRITE_TIMEOUT_S = 3600.0  # a background write still running after this 
 AGREE_POLL_S = 0.2  # a blocking finalization asks the other ranks this often whether a write failed
 WRITER_READY_TIMEOUT_S = 10.0  # a forked writer that has not said it runs after this is stuck in the fork
 WRITER_START_ATTEMPTS = 3
-_READY = -1  # the token of the writer's first message: it runs
 
 
 class WriteStoppedForPeer(CheckpointingException):
@@ -263,9 +267,6 @@ class TemporalAsyncCaller(AsyncCaller):
         self._threads.pop(id(request), None)
 
 
-WRITER_NICE = 19  # background writers yield the CPU to the training loop when both want it
-
-
 def _yield_cpu_to_training() -> None:
     """Lower this thread's CPU priority (Linux: per thread, inherited by threads it starts):
     a checkpoint write may take longer, a training step is not slowed by it."""
@@ -295,10 +296,12 @@ def _writer_loop(jobs: Any, results: Any, parent_pid: int) -> None:
             continue
         if job is None:
             return
-        idx, forget, payload = job
+        idx, forget, arenas, payload = job
         results.put((idx, "started", None))  # the job's timeout counts from here, not from its scheduling
         try:
-            forget_arenas(forget)
+            arena_table.forget(forget)
+            for arena_id, nbytes, handle in arenas:  # multiprocessing's DupFd of each new arena
+                arena_table.adopt(arena_id, handle.detach(), nbytes)
             fn, args, kwargs = pickle.loads(payload)  # noqa: S301 - our own training process's job
             results.put((idx, "ok", fn(*args, **kwargs)))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the training process
@@ -311,12 +314,15 @@ def writer_start_method() -> str:
     Why not fork: the first asynchronous save comes after the training state exists, and a
     forked child holds every page of it copy-on-write. Each page the training loop changes
     afterwards is then duplicated, and the idle writer keeps the old copy through every later
-    save: 2.01x the state in extra host memory, measured. A spawned child shares nothing but
+    save: 2.01x the state in extra host memory, measured. A fresh interpreter shares nothing but
     what it is sent (staged tensors in shared memory); it also inherits no CUDA context or NCCL
-    communicator (Megatron-Core spawns its persistent worker for that reason). Its start (it
-    imports torch) does not block the training loop: the first job waits in the writer's queue.
-    ``AsyncCallsQueue.warmup_persistent_caller`` starts one earlier, before the state exists,
-    where forking is safe (Megatron-LM's ``--use-persistent-ckpt-worker`` does at initialization)."""
+    communicator (Megatron-Core spawns its persistent worker for that reason). It is not a
+    ``multiprocessing`` spawn, which would import torch and the training script's ``__main__``
+    (200-300 MiB of its own): ``runtime.writer_process`` starts it without torch, which it
+    imports only for a job that is not a plain write. Its start does not block the training
+    loop: the first job waits in the writer's inbox. ``AsyncCallsQueue.warmup_persistent_caller``
+    starts one earlier (Megatron-LM's ``--use-persistent-ckpt-worker`` does at initialization),
+    where even forking is safe."""
     return "spawn"
 
 
@@ -336,10 +342,13 @@ def writes_through_a_process() -> bool:
 
 class PersistentAsyncCaller(AsyncCaller):
     """One writer process per rank, started at the first request and reused (Megatron-Core's
-    persistent caller): forked from the main thread, or spawned once CUDA is initialised
-    (``writer_start_method``). Requests run in order; their ``async_fn`` and
-    arguments go through a torch.multiprocessing queue (CPU tensors in shared memory: no copy
-    when they were staged there). If the process dies (killed, out of memory) or a write runs
+    persistent caller): a fresh interpreter without torch (``writer_start_method``,
+    ``runtime.writer_process``), or, asked for ``start_method="fork"``, forked from the main
+    thread (spawned instead once CUDA is initialised). Requests run in order. A ``torch_dist``
+    write staged in shared memory goes as a plain write (``DcpWriteJob.plain_form``: where each
+    item's bytes lie, no torch needed to write them); any other ``async_fn`` and its arguments
+    go pickled (staged tensors as references into arenas the writer maps, other CPU tensors in
+    shared memory through torch's reductions: no copy). If the process dies (killed, out of memory) or a write runs
     past ``timeout_s`` (counted from the start of that write in the writer, not from its
     scheduling: a job queued behind a long write is not timed while it waits), the pending
     requests fail with a ``CheckpointingException`` naming it, and the next request starts a new
@@ -355,6 +364,7 @@ class PersistentAsyncCaller(AsyncCaller):
         self._pending: Dict[int, Tuple[AsyncRequest, Optional[float]]] = {}
         self._next = 0
         self._known_arenas: Set[int] = set()  # staging arenas the current process was sent
+        self._converters: Dict[int, Callable[[Any], Any]] = {}  # token -> a plain write's outcome into the job's
         self.forks_replaced = 0  # writers killed because they never started (stuck in the fork)
         self._handoff = OrderedHandOff("dist_ckpt-writer-handoff")  # jobs whose device copies are in flight
 
@@ -377,7 +387,10 @@ class PersistentAsyncCaller(AsyncCaller):
             )
         ctx: Any = torch_mp.get_context(method)
         if method != "fork":  # nothing can be stuck in a fork: the first job waits in the queue
-            self._start_unforked(ctx, method)
+            if plain_writer_supported():
+                self._start_plain()
+            else:
+                self._start_unforked(ctx, method)
             return
         ready_timeout = WRITER_READY_TIMEOUT_S
         # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
@@ -410,6 +423,13 @@ class PersistentAsyncCaller(AsyncCaller):
             f"{'forks' if method == 'fork' else 'starts'}, each stuck for "
             f"{ready_timeout:.0f} s); save synchronously or with async_writer=\"thread\""
         )
+
+    def _start_plain(self) -> None:
+        """The writer without torch (``runtime.writer_process``): started, not waited for."""
+        process = PlainWriterProcess()
+        self._process, self._jobs, self._results = process, process.jobs, process.results
+        self._known_arenas = set()
+        logger.debug("started the persistent checkpoint writer, pid %d", process.pid)
 
     def _start_unforked(self, ctx: Any, method: str) -> None:
         """A spawned (or forkserver) writer: started, not waited for. Until it imports torch and
@@ -458,7 +478,7 @@ class PersistentAsyncCaller(AsyncCaller):
             if isinstance(fn, AfterCopies):  # this process waits for the copies, then hands the job over
                 after = fn
                 fn = fn.job
-            payload = JobPickler.dumps_job((fn, request.async_fn_args, request.async_fn_kwargs), known)
+            kind, body, convert, new = self._job_body(fn, request, known)
         except Exception as e:  # noqa: BLE001
             request.async_error = CheckpointingException(
                 f"the persistent checkpoint writer needs a picklable write function: {type(e).__name__}: {e}"
@@ -467,12 +487,38 @@ class PersistentAsyncCaller(AsyncCaller):
         forget = sorted(known - live_arena_ids())
         self._known_arenas = known - set(forget)
         self._pending[token] = (request, None)
+        if convert is not None:
+            self._converters[token] = convert
         results = self._results
 
         def copies_failed(error: BaseException) -> None:  # reported as the writer reports a failed job
             results.put((token, "error", f"the staging copies failed: {type(error).__name__}: {error}"))
 
-        self._handoff.put(self._jobs, (token, forget, payload), after, copies_failed)
+        arenas = arena_descriptors(new)
+        if isinstance(self._process, PlainWriterProcess):
+            message: Tuple[Any, ...] = (token, forget, arenas, kind, body)
+        else:  # a multiprocessing writer: each new arena's descriptor as multiprocessing's DupFd
+            message = (token, forget, [(i, nbytes, DupFd(fd)) for i, nbytes, fd in arenas], body)
+        self._handoff.put(self._jobs, message, after, copies_failed)
+
+    def _job_body(self, fn: Callable[..., Any], request: AsyncRequest, known: Set[int]
+                  ) -> Tuple[str, Any, Optional[Callable[[Any], Any]], List[int]]:
+        """What the writer is sent: ``("plain", PlainWrite, convert, new arenas)`` when the
+        writer takes plain writes and ``fn`` has a plain form (``convert`` turns its outcome into
+        what ``fn`` returns), else ``("call", pickled call, None, new arenas)``. The arenas the
+        job refers to are added to ``known``; ``new`` are those the writer must be sent first."""
+        plain_form = getattr(fn, "plain_form", None)
+        if (isinstance(self._process, PlainWriterProcess) and plain_form is not None
+                and not request.async_fn_args and not request.async_fn_kwargs):
+            plain = plain_form()
+            if plain is not None:
+                body, convert, used = plain
+                new = sorted(set(used) - known)
+                known.update(new)
+                return "plain", body, convert, new
+        new_ids: List[int] = []
+        payload = JobPickler.dumps_job((fn, request.async_fn_args, request.async_fn_kwargs), known, new_ids)
+        return "call", payload, None, new_ids
 
     def _collect(self, wait_s: float) -> bool:
         """One message of the writer: a job started (its timeout starts), or a job's outcome.
@@ -488,10 +534,17 @@ class PersistentAsyncCaller(AsyncCaller):
                 self._pending[token] = (self._pending[token][0], time.monotonic())
             return True
         entry = self._pending.pop(token, None)
+        convert = self._converters.pop(token, None)
         if entry is None:
             return True
         request = entry[0]
-        if kind == "ok":
+        if kind == "ok" and convert is not None:
+            try:
+                request.async_result = convert(value)
+            except Exception as e:  # noqa: BLE001 - this request's failure, raised on every rank
+                request.async_error = CheckpointingException(
+                    f"the background checkpoint writer's result is not what was asked: {type(e).__name__}: {e}")
+        elif kind == "ok":
             request.async_result = value
         else:
             request.async_error = CheckpointingException(f"the background checkpoint writer failed: {value}")
@@ -512,6 +565,7 @@ class PersistentAsyncCaller(AsyncCaller):
         for request, _ in self._pending.values():
             request.async_error = CheckpointingException(f"{reason}; the checkpoint was not committed")
         self._pending.clear()
+        self._converters.clear()
 
     def wait_for(self, request: AsyncRequest, seconds: Optional[float]) -> bool:
         token = getattr(request, "_caller_token", None)
@@ -564,6 +618,7 @@ class PersistentAsyncCaller(AsyncCaller):
             self._process.kill()
         self._process.join()
         del self._pending[token]
+        self._converters.pop(token, None)
         self._fail_pending(f"the background checkpoint writer (pid {pid}) was stopped because an earlier save "
                            f"failed on another rank")
 

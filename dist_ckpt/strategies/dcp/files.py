@@ -40,6 +40,7 @@ from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_mani
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
 from ...runtime.durable import atomic_write_bytes
+from ...standalone.plain_files import ITEM_ALIGNMENT, WRITE_BUFFER_BYTES
 from ...runtime.file_cache import ParsedFileCache
 from ...storage.writer_record import describe_writer
 from .metadata import MCoreMetadata, MCoreSavePlan
@@ -66,10 +67,6 @@ __all__ = [
 DCP_METADATA_FNAME = ".metadata"
 MAX_DCP_METADATA_BYTES = 8 << 30  # far above the index of any real model; checked with stat
 DCP_FORMAT_VERSION = "1.0.0"  # what DCP (and Megatron-Core) record in Metadata.version
-ITEM_ALIGNMENT = 64  # items start at a multiple of this many bytes (``write_dcp_file`` says why)
-# Small items are gathered into writes of this size: 100,000 items of 4 KiB written one system
-# call each spent 1.6 s in the kernel; a larger write passes the buffer (no copy).
-WRITE_BUFFER_BYTES = 1 << 20
 
 ItemData = Union[torch.Tensor, io.BytesIO]
 

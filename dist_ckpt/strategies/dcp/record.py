@@ -37,14 +37,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ...runtime.devices import is_host_memory
+from ...standalone.tensor_records import ONE_WRITE, RecordLayout, small_record, write_record
 
-__all__ = ["StoredTensor", "write_tensor_record", "small_tensor_record", "written_layout", "locate_tensor_data",
-           "layout_signature", "LayoutCache", "tensor_bytes"]
+__all__ = ["StoredTensor", "write_tensor_record", "small_tensor_record", "record_layout", "written_layout",
+           "locate_tensor_data", "layout_signature", "LayoutCache", "tensor_bytes"]
 
 ALIGNMENT = 64  # what torch.save writes into .storage_alignment (data starts 64-byte aligned)
 ZIP64_LIMIT = 0xFFFFFFFF  # a size or offset at or above this goes into a zip64 extra field
 _ZIP64_MARK = 0xFFFFFFFF  # what a 32-bit field holds when the value is in the zip64 extra field
-WRITE_PIECE = 16 << 20  # tensor bytes are handed to the stream in pieces of this size
 _PREFIX = "archive/"  # torch.save's record prefix for a stream
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01: the zip format cannot say "no date"
 
@@ -207,18 +207,8 @@ def _central_directory(records: List[_Record], start: int) -> Tuple[bytes, List[
     return directory + eocd64 + locator + eocd, at
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Everything of a blob but the tensor's bytes and their CRC32 (zeros at ``*_crc_at``)."""
-
-    prefix: bytes
-    suffix: bytes
-    prefix_crc_at: int
-    suffix_crc_at: int
-
-
 @functools.lru_cache(maxsize=4096)
-def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> _Layout:
+def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> RecordLayout:
     """Built once per (dtype, shape): a model's tensors share few shapes, and the per-tensor
     cost of many small tensors is then one CRC, two 4-byte patches and one write."""
     numel = 1
@@ -241,7 +231,13 @@ def _layout(dtype: torch.dtype, shape: Tuple[int, ...], zip64_limit: int) -> _La
     directory, entry_at = _central_directory(records, position)
     data_entry = next(i for i, r in enumerate(records) if r.name == _DATA_NAME)
     suffix_crc_at = len(after) + entry_at[data_entry] + _CENTRAL_CRC_AT
-    return _Layout(bytes(before), bytes(after + directory), prefix_crc_at, suffix_crc_at)
+    return RecordLayout(bytes(before), bytes(after + directory), prefix_crc_at, suffix_crc_at)
+
+
+def record_layout(dtype: torch.dtype, shape: Tuple[int, ...]) -> RecordLayout:
+    """The layout ``write_tensor_record`` gives the record of a tensor of ``dtype`` and ``shape``
+    (for a writer that writes the record from the tensor's bytes alone: ``standalone``)."""
+    return _layout(dtype, tuple(shape), ZIP64_LIMIT)
 
 
 def written_layout(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple["StoredTensor", int]:
@@ -254,31 +250,21 @@ def written_layout(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tuple["StoredT
     return StoredTensor(dtype, tuple(shape), len(layout.prefix), nbytes), len(layout.prefix) + nbytes + len(layout.suffix)
 
 
-def _with_crc(template: bytes, at: int, crc: int) -> bytes:
-    return template[:at] + struct.pack("<I", crc) + template[at + 4 :]
-
-
-_ONE_WRITE = 64 << 10  # a blob up to this size goes to the stream as one bytes object
-
-
 def small_tensor_record(tensor: torch.Tensor) -> Optional[bytes]:
     """The whole blob ``write_tensor_record`` writes for ``tensor``, as one bytes object, when the
-    tensor is small (under ``_ONE_WRITE`` bytes: its CRC is always computed), contiguous and in
+    tensor is small (under ``ONE_WRITE`` bytes: its CRC is always computed), contiguous and in
     host memory; else None."""
     if not tensor.is_contiguous() or not is_host_memory(tensor) or tensor.is_conj() or tensor.is_neg():
         return None
     nbytes = tensor.numel() * tensor.dtype.itemsize
-    if nbytes >= _ONE_WRITE:
+    if nbytes >= ONE_WRITE:
         return None
     layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
     if tensor.is_cpu and nbytes:
         data: Any = ctypes.string_at(tensor.data_ptr(), nbytes)  # one call: a tenth of ``tensor_bytes``' three
     else:
         data = tensor_bytes(tensor)
-    crc = struct.pack("<I", zlib.crc32(data))
-    prefix, at = layout.prefix, layout.prefix_crc_at
-    suffix, suffix_at = layout.suffix, layout.suffix_crc_at
-    return b"".join((prefix[:at], crc, prefix[at + 4:], data, suffix[:suffix_at], crc, suffix[suffix_at + 4:]))
+    return small_record(layout, data)
 
 
 def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_crc32: bool = True,
@@ -297,19 +283,7 @@ def write_tensor_record(write: Callable[[Any], Any], tensor: torch.Tensor, zip_c
     if not tensor.is_contiguous() or not is_host_memory(tensor):
         raise ValueError("write_tensor_record needs a contiguous tensor in host memory")
     layout = _layout(tensor.dtype, tuple(tensor.shape), ZIP64_LIMIT)
-    data = tensor_bytes(tensor)
-    crc = zlib.crc32(data) if zip_crc32 or len(data) < _ONE_WRITE else 0
-    prefix = _with_crc(layout.prefix, layout.prefix_crc_at, crc)
-    suffix = _with_crc(layout.suffix, layout.suffix_crc_at, crc)
-    if expect_data is not None:
-        expect_data(len(prefix), len(data))
-    if len(data) <= _ONE_WRITE:
-        write(b"".join((prefix, data, suffix)))
-        return
-    write(prefix)
-    for start in range(0, len(data), WRITE_PIECE):
-        write(data[start : start + WRITE_PIECE])
-    write(suffix)
+    write_record(write, layout, tensor_bytes(tensor), zip_crc32, expect_data)
 
 
 # -- reading ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, cast
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -22,12 +22,16 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ...core import CheckpointingException
-from ...integrity.manifest import Recorder
+from ...integrity.manifest import BlockHashes, ManifestEntry, Recorder
+from ...integrity.recording import EntryList
 from ...mapping import ShardedObject
 from ...runtime.durable import fsync_directory
-from .files import DCP_METADATA_FNAME, DcpReader, write_dcp_files
+from ...runtime.shared_arena import arena_place
+from ...standalone.plain_files import ItemPlace, PlainFile, PlainWrite
+from .files import DCP_METADATA_FNAME, DcpReader, _buckets, write_dcp_files
 from .incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
 from .plain_records import made
+from .record import record_layout
 from .shared_sizes import SharedSizes
 
 __all__ = ["serialize_objects", "ItemSource", "WrittenItems", "DcpWriteJob", "base_index"]
@@ -132,6 +136,52 @@ class DcpWriteJob:
             content.write(self.checkpoint_dir, f"{self.prefix}{self.first_file}{CONTENT_SUFFIX}", recorder)
         fsync_directory(self.checkpoint_dir)
         return WrittenItems(results), recorder.entries(), None if reuse is None else reuse.stats
+
+    def plain_form(self) -> Optional[Tuple[PlainWrite, Callable[[List[List[ItemPlace]]], Any], Set[int]]]:
+        """The job as a ``PlainWrite`` for a writer process without torch, the function that
+        turns that write's outcome into what calling the job returns, and the staging arenas it
+        reads; None when the job needs torch to write (stream transforms, content hashes, an
+        incremental base, a tensor that is not a contiguous view into a staging arena)."""
+        if self.extensions or self.content_hashes or self.base is not None:
+            return None
+        buckets = _buckets(self.items, self.thread_count)
+        layouts: Dict[Tuple[torch.dtype, Tuple[int, ...]], int] = {}
+        files, names, arenas = [], [], set()
+        for i, bucket in enumerate(buckets):
+            name = f"{self.prefix}{self.first_file + i}.distcp"
+            plain_items: List[Tuple[Any, ...]] = []
+            for item in bucket:
+                if item.type == WriteItemType.BYTE_IO:
+                    plain_items.append((self.objects[item.index.fqn],))
+                    continue
+                tensor = self.tensors[item.index]
+                place = arena_place(tensor)
+                if place is None:
+                    return None
+                shape = tuple(cast(TensorWriteData, item.tensor_data).chunk.sizes)
+                layout = layouts.setdefault((tensor.dtype, shape), len(layouts))
+                arenas.add(place[0])
+                plain_items.append((layout, place[0], place[1], tensor.numel() * tensor.dtype.itemsize))
+            files.append(PlainFile(str(Path(self.checkpoint_dir) / name), plain_items))
+            names.append(name)
+        fields = [tuple(record_layout(dtype, shape)) for dtype, shape in layouts]
+        job = PlainWrite(str(self.checkpoint_dir), files, fields, self.zip_crc32)
+
+        def outcome(places: List[List[ItemPlace]]) -> Tuple[WrittenItems, EntryList, None]:
+            """What ``__call__`` returns, from where the writer put each item."""
+            if len(places) != len(buckets) or any(len(p) != len(b) for p, b in zip(places, buckets)):
+                raise CheckpointingException(f"the writer reported {sum(map(len, places))} items in {len(places)} "
+                                             f"files, for {len(self.items)} items in {len(buckets)} files")
+            results, entries = [], EntryList()
+            for name, bucket, file_places in zip(names, buckets, places):
+                for item, (offset, length, digest, blocks) in zip(bucket, file_places):
+                    info = _StorageInfo(name, offset, length)
+                    results.append(made(WriteResult, index=item.index, size_in_bytes=length, storage_data=info))
+                    entries.append(ManifestEntry(name, offset, length, digest, item.index.fqn,
+                                                 None if blocks is None else BlockHashes(*blocks)))
+            return WrittenItems(results), entries, None
+
+        return job, outcome, arenas
 
 
 def base_index(base: Path, items: List[WriteItem]) -> Optional[BaseIndex]:
