@@ -2,13 +2,13 @@
 
 Each mode runs in fresh rank processes (2 gloo ranks, ``--size`` MiB of model and optimizer
 state per rank) and does what a training loop does: save, change every tensor (a training
-step), save again, and go on training while nothing is saved. A sampler thread reads the
-proportional set size (PSS, ``/proc/<pid>/smaps_rollup``) of the rank and of every process it
-started (a writer process, Megatron-Core's forked writers) every 5 ms; the table shows the peak
-above the value before the first save, and what is still held at the end (after the last save
-committed, with the state changed once more), both as multiples of the rank's state. PSS counts
-a page shared by several processes once in all (a forked writer's copy-on-write pages count
-only once they are duplicated), and shared memory once.
+step), save again, and go on training while nothing is saved. A sampler thread reads the host
+memory of the rank and of every process it started (a writer process, Megatron-Core's forked
+writers) every 5 ms (``family_memory``: proportional set sizes, PSS, which count a page shared
+by several processes once in all - a forked writer's copy-on-write pages count only once they
+are duplicated - with each shared-memory object counted once by its size); the table shows the
+peak above the value before the first save, and what is still held at the end (after the last
+save committed, with the state changed once more), both as multiples of the rank's state.
 
     python benchmarks/memory.py [--size 512] [--write-docs]
 """
@@ -31,31 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # meg
 from doc_tables import PERFORMANCE_PAGE, machine_description, markdown_table, replace_section  # noqa: E402
 
 
-def _pss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
-
-
-def _pss_parts(pid: int) -> Dict[str, int]:
-    """The smaps_rollup fields of ``pid`` in MiB (Pss_Anon, Pss_Shmem, Pss_File...)."""
-    out: Dict[str, int] = {}
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if value.strip().endswith("kB"):
-                    out[name] = int(value.split()[0]) // 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return out
-
-
 def _family(pid: int) -> List[int]:
     """``pid`` and every process below it."""
     out, todo = [], [pid]
@@ -76,18 +51,21 @@ _SHARED_OBJECT_PREFIXES = ("/memfd:", "/dev/shm/", "/dev/zero", "/SYSV")
 
 
 def _shared_objects(pid: int) -> Dict[tuple, int]:
-    """The shared-memory objects ``pid`` maps: (device, inode) -> bytes allocated to them."""
+    """The shared-memory objects ``pid`` maps: (device, inode) -> bytes allocated to them. Found
+    in ``/proc/<pid>/maps`` (one read), sized through ``map_files`` (a stat each)."""
     out: Dict[tuple, int] = {}
-    folder = f"/proc/{pid}/map_files"
     try:
-        names = os.listdir(folder)
+        with open(f"/proc/{pid}/maps") as f:
+            lines = [line for line in f if "/memfd:" in line or "/dev/shm/" in line or "/dev/zero" in line
+                     or "/SYSV" in line]
     except OSError:
         return out
-    for name in names:
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith(_SHARED_OBJECT_PREFIXES):
+            continue
         try:
-            if not os.readlink(f"{folder}/{name}").startswith(_SHARED_OBJECT_PREFIXES):
-                continue
-            st = os.stat(f"{folder}/{name}")
+            st = os.stat(f"/proc/{pid}/map_files/{fields[0]}")
         except OSError:
             continue
         out[(st.st_dev, st.st_ino)] = st.st_blocks * 512
@@ -103,13 +81,14 @@ def family_memory(pid: int) -> int:
     was held)."""
     total, shared = 0, {}
     for p in _family(pid):
-        parts = _pss_parts_bytes(p)
+        parts = _pss_parts(p)
         total += parts.get("Pss", 0) - parts.get("Pss_Shmem", 0)
         shared.update(_shared_objects(p))
     return total + sum(shared.values())
 
 
-def _pss_parts_bytes(pid: int) -> Dict[str, int]:
+def _pss_parts(pid: int) -> Dict[str, int]:
+    """The smaps_rollup fields of ``pid`` in bytes (Pss, Pss_Anon, Pss_Shmem, Pss_File...)."""
     out: Dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -207,9 +186,11 @@ def _job(rank: int, world: int, root: str, size_mib: int, mode: str) -> Dict[str
         time.sleep(0.5)  # an idle writer: what it still holds
         extra = sampler.stop()
         writer = queue._persistent_caller.pid if queue._persistent_caller is not None else None
-        writer_mib = _pss(writer) / 2**20 if writer else 0.0
-        parts = {f"writer {k}": v for k, v in _pss_parts(writer).items() if k.startswith("Pss_")} if writer else {}
-        parts.update({f"rank {k}": v for k, v in _pss_parts(os.getpid()).items() if k.startswith("Pss_")})
+        # the writer's own memory: the staging arenas it maps are the training process's, counted once above
+        writer_parts = _pss_parts(writer) if writer else {}
+        writer_mib = (writer_parts.get("Pss", 0) - writer_parts.get("Pss_Shmem", 0)) / 2**20
+        parts = {f"writer {k}": v >> 20 for k, v in writer_parts.items() if k.startswith("Pss_")}
+        parts.update({f"rank {k}": v >> 20 for k, v in _pss_parts(os.getpid()).items() if k.startswith("Pss_")})
         queue.close()
         return {"peak": extra[0] / nbytes, "after": extra[1] / nbytes, "writer_mib": writer_mib,
                 "state_mib": nbytes / 2**20, **parts}
@@ -311,8 +292,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 f"{machine_description(Path(tempfile.gettempdir()))}: 2 ranks, {state_mib:.0f} MiB of state each "
                 f"(bf16 weights, fp32 moments); the larger rank's, as multiples of its state.", ""]
         replace_section("memory.py", head + markdown_table(
-            ["mode (two saves, a training step after each)", "peak extra host memory (PSS, with child processes)",
-             "still held at the end", "writer process (PSS, MiB)"], rows, right=(1, 2, 3)))
+            ["mode (two saves, a training step after each)", "peak extra host memory (with child processes)",
+             "still held at the end", "writer process's own (PSS without shared memory, MiB)"], rows,
+            right=(1, 2, 3)))
         print(f"the table of this run written to {PERFORMANCE_PAGE}")
 
 

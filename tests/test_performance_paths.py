@@ -557,16 +557,14 @@ def test_writer_process_maps_staging_arenas_once(monkeypatch):
     """Staged tensors reach the persistent writer as views of one shared arena, whose descriptor
     is passed with the first job only; the writer sees the values of each later staging copy
     and forgets an arena the training process freed."""
-    import multiprocessing.resource_sharer as resource_sharer
-
-    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
     from dist_ckpt.runtime.shared_arena import JobPickler
+    from dist_ckpt.standalone.channel import Channel
+    from dist_ckpt.strategies.async_utils import AsyncRequest, PersistentAsyncCaller
     from dist_ckpt.strategies.dcp.staging import StagingBuffers
 
-    passed = []
-    sharer = resource_sharer._resource_sharer
-    register = sharer.register
-    monkeypatch.setattr(sharer, "register", lambda *a: passed.append(1) or register(*a))
+    passed = []  # the descriptors sent to the writer
+    send = Channel.send
+    monkeypatch.setattr(Channel, "send", lambda self, message, fds=(): passed.extend(fds) or send(self, message, fds))
     live = [torch.arange(1000, dtype=torch.float32), torch.ones(7, dtype=torch.bfloat16), torch.zeros(3, 5)]
     pool = StagingBuffers(shared=True)
     caller = PersistentAsyncCaller(timeout_s=60)
@@ -606,11 +604,14 @@ def test_writer_process_maps_staging_arenas_once(monkeypatch):
     arena_pool = StagingBuffers(shared=True)
     arena_lease = arena_pool.stage(live)  # holds the arena
     views = arena_lease.buffers
-    known = set()
-    JobPickler.dumps_job(views, known)  # the first job carries the arena...
-    second = JobPickler.dumps_job(views, known)  # ...the second refers to it by id only
-    with pytest.raises(pickle.UnpicklingError, match="never sent"):
-        pickle.loads(second)
+    known, new = set(), []
+    first = JobPickler.dumps_job(views, known, new)  # the first job names the arena to send ahead...
+    assert len(new) == 1
+    second = JobPickler.dumps_job(views, known, new)  # ...the second does not
+    assert len(new) == 1
+    for job in (first, second):  # this process was sent neither
+        with pytest.raises(pickle.UnpicklingError, match="never sent"):
+            pickle.loads(job)
 
 # -- the direct reader: coalesced small items, large items into their destinations -----------------
 

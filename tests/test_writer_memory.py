@@ -254,24 +254,27 @@ def test_a_killed_writer_fails_its_save_by_name_and_the_next_save_starts_another
         assert tensors_bitwise_equal(loaded[key], sh.data), key
 
 
+# no `if __name__ == "__main__":` - the writer does not run the training script again
 _DIES_WITH_A_WRITER = """
 import os, signal, sys, torch
 import dist_ckpt
 from dist_ckpt import ShardedTensor
 from dist_ckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 
-if __name__ == "__main__":
-    queue = dist_ckpt.AsyncCallsQueue(persistent=True)
-    state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}
-    queue.schedule_async_request(dist_ckpt.save(state, sys.argv[1], TorchDistSaveShardedStrategy(),
-                                                async_sharded_save=True))
-    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-    print(queue._persistent_caller.pid, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+queue = dist_ckpt.AsyncCallsQueue(persistent=True)
+state = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(64))}
+queue.schedule_async_request(dist_ckpt.save(state, sys.argv[1], TorchDistSaveShardedStrategy(),
+                                            async_sharded_save=True))
+queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+assert torch.equal(dist_ckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64))}, sys.argv[1])["w"],
+                   torch.ones(64))
+print(queue._persistent_caller.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
 def test_the_writer_ends_with_the_training_process_killed(tmp_path):
+    """Also a script without a main guard: the writer does not import the training script."""
     script = tmp_path / "train.py"
     script.write_text(_DIES_WITH_A_WRITER)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,

@@ -16,6 +16,7 @@ The interface is what ``strategies.async_utils.PersistentAsyncCaller`` uses of a
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.spawn
 import os
 import queue
 import socket
@@ -25,9 +26,10 @@ import threading
 from pathlib import Path
 from typing import Any, List, Optional, Tuple
 
+from ..core import CheckpointingException
 from ..standalone.channel import MAX_FDS_PER_MESSAGE, Channel
 
-__all__ = ["PlainWriterProcess", "plain_writer_supported"]
+__all__ = ["PlainWriterProcess"]
 
 _PACKAGE_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -40,13 +42,8 @@ package = types.ModuleType("dist_ckpt")
 package.__path__ = [sys.argv[1]]
 sys.modules["dist_ckpt"] = package
 from dist_ckpt.standalone.writer_main import main
-main(int(sys.argv[2]), int(sys.argv[3]))
+main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1")
 """
-
-
-def plain_writer_supported() -> bool:
-    """Whether this system passes descriptors over Unix sockets (every Linux and macOS)."""
-    return hasattr(socket, "send_fds") and hasattr(socket, "AF_UNIX")
 
 
 class _Jobs:
@@ -95,11 +92,17 @@ class PlainWriterProcess:
     name = "dist_ckpt-writer"
 
     def __init__(self) -> None:
+        if not hasattr(socket, "send_fds"):
+            raise CheckpointingException(
+                "a checkpoint writer process needs Unix sockets that pass descriptors (Linux, macOS); save with "
+                "async_writer=\"thread\" (the default) here")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        main_thread = threading.current_thread() is threading.main_thread()
         try:
             # its own session: a Ctrl-C in the terminal is the training process's to handle
             self._popen = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, _PACKAGE_DIR, str(theirs.fileno()), str(os.getpid())],
+                [multiprocessing.spawn.get_executable(), "-c", _BOOTSTRAP, _PACKAGE_DIR, str(theirs.fileno()),
+                 str(os.getpid()), "1" if main_thread else "0"],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
@@ -138,12 +141,18 @@ class PlainWriterProcess:
 
     def send_job(self, message: Optional[Tuple[Any, ...]]) -> None:
         """None: stop once the jobs before are done. Else ``(token, forget, arenas, kind,
-        body)``: the arenas (``(id, nbytes, fd)``) the writer does not hold yet go first."""
+        body)``: the arenas (``(id, nbytes, fd)``: a duplicate descriptor the message owns, closed
+        once passed) the writer does not hold yet go first."""
         if message is None:
             self._send(("stop",))
             return
         token, forget, arenas, kind, body = message
-        for start in range(0, len(arenas), MAX_FDS_PER_MESSAGE):
-            batch = arenas[start: start + MAX_FDS_PER_MESSAGE]
-            self._send(("arenas", [(arena_id, nbytes) for arena_id, nbytes, _ in batch]), [fd for _, _, fd in batch])
+        try:
+            for start in range(0, len(arenas), MAX_FDS_PER_MESSAGE):
+                batch = arenas[start: start + MAX_FDS_PER_MESSAGE]
+                self._send(("arenas", [(arena_id, nbytes) for arena_id, nbytes, _ in batch]),
+                           [fd for _, _, fd in batch])
+        finally:
+            for _, _, fd in arenas:
+                os.close(fd)
         self._send(("job", token, forget, kind, body))

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 from ..runtime.durable import fsync_directory
 from . import arena_table
 from .item_hashing import HashingWriter
 from .tensor_records import ONE_WRITE, RecordLayout, small_record, write_record
 
-__all__ = ["ITEM_ALIGNMENT", "WRITE_BUFFER_BYTES", "PlainFile", "PlainWrite", "ItemPlace", "write_plain_files"]
+__all__ = ["ITEM_ALIGNMENT", "WRITE_BUFFER_BYTES", "PlainFile", "PlainWrite", "ItemPlace", "write_plain_files",
+           "each_in_a_thread"]
 
 ITEM_ALIGNMENT = 64  # items start at a multiple of this many bytes (``write_dcp_file`` says why)
 # Small items are gathered into writes of this size: 100,000 items of 4 KiB written one system
@@ -71,27 +72,37 @@ def _write_file(plain: PlainFile, layouts: List[RecordLayout], zip_crc32: bool) 
     return places
 
 
+def each_in_a_thread(count: int, run: Callable[[int], None], name: str) -> None:
+    """``run(i)`` for every ``i < count``, each in a thread of its own (``run(0)`` in the calling
+    one); the first error of any is raised here once all have ended."""
+    errors: List[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            run(i)
+        except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(i,), name=f"{name}-{i}") for i in range(1, count)]
+    for t in threads:
+        t.start()
+    if count:
+        guarded(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def write_plain_files(job: PlainWrite) -> List[List[ItemPlace]]:
     """Every file of ``job`` (a thread each; each fsynced), then the directory; where each item
     went, file by file in the job's order."""
     layouts = [RecordLayout(*fields) for fields in job.layouts]
     places: List[List[ItemPlace]] = [[] for _ in job.files]
-    errors: List[BaseException] = []
 
-    def run(i: int) -> None:
-        try:
-            places[i] = _write_file(job.files[i], layouts, job.zip_crc32)
-        except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
-            errors.append(e)
+    def write(i: int) -> None:
+        places[i] = _write_file(job.files[i], layouts, job.zip_crc32)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"dist_ckpt-writer-{i}") for i in range(1, len(job.files))]
-    for t in threads:
-        t.start()
-    if job.files:
-        run(0)
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    each_in_a_thread(len(job.files), write, "dist_ckpt-writer")
     fsync_directory(job.checkpoint_dir)
     return places

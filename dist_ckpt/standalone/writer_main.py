@@ -35,14 +35,21 @@ WRITER_NICE = 19  # the writer yields the CPU to the training loop when both wan
 _PR_SET_PDEATHSIG = 1
 
 
-def _detach(parent_pid: int) -> None:
-    """Ignore Ctrl-C (the training process's to handle), die with the training process
-    (Linux), and run at the lowest CPU priority (its threads inherit it)."""
+def _detach(parent_pid: int, die_with_parent: bool) -> None:
+    """Ignore Ctrl-C (the training process's to handle), die with the training process, and run
+    at the lowest CPU priority (its threads inherit it).
+
+    Dying with the training process: the end of the channel ends the writer at once, even in the
+    middle of a write (``_receive``); where the writer was started from the main thread, the
+    kernel also kills it when the training process dies (Linux's parent-death signal, which
+    follows the starting thread: started from another thread, the writer would die when that
+    thread ends)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: the end of the channel ends the writer
-        pass
+    if die_with_parent:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # not Linux: the end of the channel ends the writer
+            pass
     if os.getppid() != parent_pid:  # gone before the prctl took effect
         os._exit(1)
     try:
@@ -51,14 +58,19 @@ def _detach(parent_pid: int) -> None:
         pass
 
 
-def _receive(channel: Channel, inbox: "queue.Queue[Optional[Tuple[Any, List[int]]]]") -> None:
+def _receive(channel: Channel, inbox: "queue.Queue[Tuple[Any, List[int]]]") -> None:
     """Read messages as they come, so that the training process never waits to send one while
-    a write runs; None in the inbox: the channel ended."""
+    a write runs. The channel ending before a stop message means the training process is gone
+    (it closes its end only after this process ended): nothing of what is being written can be
+    committed any more, so the process ends now."""
     try:
         while True:
-            inbox.put(channel.recv())
+            message = channel.recv()
+            inbox.put(message)
+            if message[0][0] == "stop":
+                return
     except (EOFError, OSError):
-        inbox.put(None)
+        os._exit(1)
 
 
 def _with_full_package(settings: Dict[str, Any]) -> None:
@@ -94,18 +106,15 @@ def _send_result(channel: Channel, token: int, result: Any) -> None:
         channel.send((token, "error", f"the write's result could not be sent back: {type(e).__name__}: {e}"))
 
 
-def main(fd: int, parent_pid: int) -> None:
-    _detach(parent_pid)
+def main(fd: int, parent_pid: int, die_with_parent: bool) -> None:
+    _detach(parent_pid, die_with_parent)
     channel = Channel(socket.socket(fileno=fd))
-    inbox: "queue.Queue[Optional[Tuple[Any, List[int]]]]" = queue.Queue()
+    inbox: "queue.Queue[Tuple[Any, List[int]]]" = queue.Queue()
     threading.Thread(target=_receive, args=(channel, inbox), name="dist_ckpt-writer-inbox", daemon=True).start()
     settings: Dict[str, Any] = {}
     channel.send((READY, "ready", os.getpid()))
     while True:
-        received = inbox.get()
-        if received is None:
-            return
-        message, fds = received
+        message, fds = inbox.get()
         if message[0] == "stop":
             return
         if message[0] == "init":

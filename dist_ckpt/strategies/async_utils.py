@@ -36,8 +36,8 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from multiprocessing.reduction import DupFd
 from dataclasses import dataclass, field
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -48,7 +48,7 @@ from ..runtime.collectives import DistWrapper
 from ..runtime.in_flight import AfterCopies, OrderedHandOff
 from ..runtime.interrupts import detach_from_interrupts, helpers_starting
 from ..runtime.shared_arena import JobPickler, arena_descriptors, live_arena_ids
-from ..runtime.writer_process import PlainWriterProcess, plain_writer_supported
+from ..runtime.writer_process import PlainWriterProcess
 from ..standalone import arena_table
 from ..standalone.writer_main import READY as _READY
 from ..standalone.writer_main import WRITER_NICE
@@ -385,13 +385,10 @@ class PersistentAsyncCaller(AsyncCaller):
                 "the persistent checkpoint writer is started from the main thread only (forking from "
                 "another thread can deadlock the child); schedule the request from the main thread"
             )
-        ctx: Any = torch_mp.get_context(method)
-        if method != "fork":  # nothing can be stuck in a fork: the first job waits in the queue
-            if plain_writer_supported():
-                self._start_plain()
-            else:
-                self._start_unforked(ctx, method)
+        if method != "fork":  # a fresh interpreter: nothing can be stuck in a fork, the first job waits in its inbox
+            self._start_plain()
             return
+        ctx: Any = torch_mp.get_context(method)
         ready_timeout = WRITER_READY_TIMEOUT_S
         # Earlier writers' queues are kept until the new writer runs: dropping one ends its feeder
         # thread, and a thread ending during the fork is what can hang the fork (below).
@@ -426,23 +423,14 @@ class PersistentAsyncCaller(AsyncCaller):
 
     def _start_plain(self) -> None:
         """The writer without torch (``runtime.writer_process``): started, not waited for."""
-        process = PlainWriterProcess()
+        try:
+            process = PlainWriterProcess()
+        except OSError as e:  # out of processes or memory: this save's failure, on every rank
+            raise CheckpointingException(f"the background checkpoint writer process could not be started: {e}; "
+                                         f"save synchronously or with async_writer=\"thread\"") from e
         self._process, self._jobs, self._results = process, process.jobs, process.results
         self._known_arenas = set()
         logger.debug("started the persistent checkpoint writer, pid %d", process.pid)
-
-    def _start_unforked(self, ctx: Any, method: str) -> None:
-        """A spawned (or forkserver) writer: started, not waited for. Until it imports torch and
-        runs, jobs wait in its queue (their timeout counts from their start in the writer); if
-        it dies on the way, the pending jobs fail naming it (``wait_for``)."""
-        self._jobs, self._results = ctx.Queue(), ctx.Queue()
-        process = ctx.Process(target=_writer_loop, args=(self._jobs, self._results, os.getpid()),
-                              name="dist_ckpt-writer", daemon=True)
-        with helpers_starting(method):  # a Ctrl-C now is the training process's, not a traceback in the writer
-            process.start()
-        self._process = process
-        self._known_arenas = set()
-        logger.debug("started the persistent checkpoint writer (%s), pid %d", method, process.pid)
 
     def _wait_until_ready(self, process: Any, timeout_s: float) -> bool:
         """Whether the new writer says it runs within ``timeout_s``."""
@@ -494,10 +482,13 @@ class PersistentAsyncCaller(AsyncCaller):
         def copies_failed(error: BaseException) -> None:  # reported as the writer reports a failed job
             results.put((token, "error", f"the staging copies failed: {type(error).__name__}: {error}"))
 
+        # each new arena's descriptor duplicated now, while the request holds the arena: the message
+        # may be sent later (after device copies), and owns its copies
         arenas = arena_descriptors(new)
         if isinstance(self._process, PlainWriterProcess):
-            message: Tuple[Any, ...] = (token, forget, arenas, kind, body)
-        else:  # a multiprocessing writer: each new arena's descriptor as multiprocessing's DupFd
+            message: Tuple[Any, ...] = (token, forget, [(i, nbytes, os.dup(fd)) for i, nbytes, fd in arenas], kind,
+                                        body)
+        else:  # a multiprocessing writer: multiprocessing's DupFd (a duplicate the writer fetches)
             message = (token, forget, [(i, nbytes, DupFd(fd)) for i, nbytes, fd in arenas], body)
         self._handoff.put(self._jobs, message, after, copies_failed)
 
@@ -673,10 +664,12 @@ class AsyncCallsQueue:
                                  io_priority: Optional[int] = None) -> None:
         """Start a writer process now, for the first queue that writes through one to take
         (Megatron-Core's API; Megatron-LM calls it at initialization with
-        ``--use-persistent-ckpt-worker``). Called before the training state exists, even a forked
-        writer inherits none of it (``mp_mode``: "spawn", "forkserver" or "fork"); from then on
-        staging goes into shared memory (``writes_through_a_process``). The priorities are
-        Megatron-Core's arguments: the writer always runs at ``WRITER_NICE``."""
+        ``--use-persistent-ckpt-worker``). ``mp_mode`` "spawn" or "forkserver": the writer without
+        torch (``writer_start_method``); "fork": a forked writer, which shares the training
+        process's pages and inherits its imports and patches (called before the training state
+        exists, it inherits none of the state). From then on staging goes into shared memory
+        (``writes_through_a_process``). The priorities are Megatron-Core's arguments: the writer
+        always runs at ``WRITER_NICE``."""
         if mp_mode not in ("spawn", "forkserver", "fork"):
             raise CheckpointingException(f"mp_mode must be 'spawn', 'forkserver' or 'fork', got {mp_mode!r}")
         caller = PersistentAsyncCaller(start_method=mp_mode)

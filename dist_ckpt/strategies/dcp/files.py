@@ -18,7 +18,6 @@ import io
 import math
 import os
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union, cast
 
@@ -40,7 +39,7 @@ from ...integrity.manifest import HashingWriter, Recorder, hash_bytes, load_mani
 from ...integrity.safe_unpickle import plain_pickle_builtins, safe_pickle_load, safe_torch_load
 from ...runtime.devices import CallerStreams, HostCopies, HostCopy, is_host_memory
 from ...runtime.durable import atomic_write_bytes
-from ...standalone.plain_files import ITEM_ALIGNMENT, WRITE_BUFFER_BYTES
+from ...standalone.plain_files import ITEM_ALIGNMENT, WRITE_BUFFER_BYTES, each_in_a_thread
 from ...runtime.file_cache import ParsedFileCache
 from ...storage.writer_record import describe_writer
 from .metadata import MCoreMetadata, MCoreSavePlan
@@ -199,26 +198,14 @@ def write_dcp_files(checkpoint_dir: Path, prefix: str, items: List[WriteItem], r
     ``extensions``: DCP stream transforms of every item (``write_dcp_file``)."""
     buckets = _buckets(items, thread_count)
     results: List[List[WriteResult]] = [[] for _ in buckets]
-    errors: List[BaseException] = []
     caller = CallerStreams()  # the writer threads' copies of device tensors wait for the caller's queued work
 
     def run(i: int) -> None:
-        try:
-            name = f"{prefix}{first_file + i}.distcp"
-            results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32,
-                                        caller, extensions, content, reuse)
-        except BaseException as e:  # noqa: BLE001 - re-raised below in the calling thread
-            errors.append(e)
+        name = f"{prefix}{first_file + i}.distcp"
+        results[i] = write_dcp_file(Path(checkpoint_dir) / name, name, buckets[i], resolve, recorder, zip_crc32,
+                                    caller, extensions, content, reuse)
 
-    threads = [threading.Thread(target=run, args=(i,), name=f"dist_ckpt-writer-{i}") for i in range(1, len(buckets))]
-    for t in threads:
-        t.start()
-    if buckets:
-        run(0)
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    each_in_a_thread(len(buckets), run, "dist_ckpt-writer")
     return [r for rs in results for r in rs]
 
 
