@@ -152,7 +152,13 @@ def _reduce_tensor(known: Set[int], new: List[int], reduce_other: Callable[[torc
 
 # in the writer process: each mapped arena as one uint8 tensor, the base of every view into it
 _bases: Dict[int, torch.Tensor] = {}
-arena_table.when_forgotten(lambda arena_id: _bases.pop(arena_id, None))
+
+
+def _forget_base(arena_id: int) -> None:
+    _bases.pop(arena_id, None)
+
+
+arena_table.when_forgotten(_forget_base)
 
 
 def _arena_view(arena_id: int, dtype: torch.dtype, offset: int, size: Tuple[int, ...],

@@ -41,7 +41,7 @@ class PlainWrite(NamedTuple):
 
     checkpoint_dir: str
     files: List[PlainFile]
-    layouts: List[Tuple[bytes, bytes, int, int]]  # ``RecordLayout`` fields, indexed by the items
+    layouts: List[RecordLayout]  # indexed by the items
     zip_crc32: bool
 
 
@@ -97,7 +97,7 @@ def each_in_a_thread(count: int, run: Callable[[int], None], name: str) -> None:
 def write_plain_files(job: PlainWrite) -> List[List[ItemPlace]]:
     """Every file of ``job`` (a thread each; each fsynced), then the directory; where each item
     went, file by file in the job's order."""
-    layouts = [RecordLayout(*fields) for fields in job.layouts]
+    layouts = job.layouts
     places: List[List[ItemPlace]] = [[] for _ in job.files]
 
     def write(i: int) -> None:

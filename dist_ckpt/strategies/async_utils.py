@@ -344,15 +344,15 @@ class PersistentAsyncCaller(AsyncCaller):
     """One writer process per rank, started at the first request and reused (Megatron-Core's
     persistent caller): a fresh interpreter without torch (``writer_start_method``,
     ``runtime.writer_process``), or, asked for ``start_method="fork"``, forked from the main
-    thread (spawned instead once CUDA is initialised). Requests run in order. A ``torch_dist``
-    write staged in shared memory goes as a plain write (``DcpWriteJob.plain_form``: where each
-    item's bytes lie, no torch needed to write them); any other ``async_fn`` and its arguments
-    go pickled (staged tensors as references into arenas the writer maps, other CPU tensors in
-    shared memory through torch's reductions: no copy). If the process dies (killed, out of memory) or a write runs
-    past ``timeout_s`` (counted from the start of that write in the writer, not from its
-    scheduling: a job queued behind a long write is not timed while it waits), the pending
-    requests fail with a ``CheckpointingException`` naming it, and the next request starts a new
-    process."""
+    thread (the writer without torch instead, once CUDA is initialised). Requests run in order.
+    A ``torch_dist`` write staged in shared memory goes as a plain write
+    (``DcpWriteJob.plain_form``: where each item's bytes lie, no torch needed to write them); any
+    other ``async_fn`` and its arguments go pickled (staged tensors as references into arenas the
+    writer maps, other CPU tensors in shared memory through torch's reductions: no copy). If the
+    process dies (killed, out of memory) or a write runs past ``timeout_s`` (counted from the
+    start of that write in the writer, not from its scheduling: a job queued behind a long write
+    is not timed while it waits), the pending requests fail with a ``CheckpointingException``
+    naming it, and the next request starts a new process."""
 
     def __init__(self, timeout_s: float = DEFAULT_WRITE_TIMEOUT_S, start_method: Optional[str] = None) -> None:
         super().__init__(timeout_s)

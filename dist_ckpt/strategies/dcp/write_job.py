@@ -164,8 +164,8 @@ class DcpWriteJob:
                 plain_items.append((layout, place[0], place[1], tensor.numel() * tensor.dtype.itemsize))
             files.append(PlainFile(str(Path(self.checkpoint_dir) / name), plain_items))
             names.append(name)
-        fields = [tuple(record_layout(dtype, shape)) for dtype, shape in layouts]
-        job = PlainWrite(str(self.checkpoint_dir), files, fields, self.zip_crc32)
+        job = PlainWrite(str(self.checkpoint_dir), files, [record_layout(dtype, shape) for dtype, shape in layouts],
+                         self.zip_crc32)
 
         def outcome(places: List[List[ItemPlace]]) -> Tuple[WrittenItems, EntryList, None]:
             """What ``__call__`` returns, from where the writer put each item."""
