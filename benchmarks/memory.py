@@ -280,8 +280,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 continue
             shutil.rmtree(Path(root) / mode, ignore_errors=True)  # one mode's checkpoints on disk at a time
             per_rank = [o.result for o in outcomes]
-            peak = max(r["peak"] for r in per_rank)
-            after = max(r["after"] for r in per_rank)
+            peak = round(max(r["peak"] for r in per_rank), 2) + 0.0  # + 0.0: no "-0.00x"
+            after = round(max(r["after"] for r in per_rank), 2) + 0.0
             writer = max(r["writer_mib"] for r in per_rank)
             state_mib = per_rank[0]["state_mib"]
             rows.append([mode, f"{peak:.2f}x", f"{after:.2f}x", f"{writer:.0f}" if writer else "-"])
