@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -282,6 +283,33 @@ def test_a_plain_write_that_fails_in_the_writer_fails_the_save_with_the_writers_
                             tmp_path / "c")
     for key, sh in _state(3.0).items():
         assert tensors_bitwise_equal(loaded[key], sh.data), key
+
+
+def test_a_stopped_writer_does_not_block_the_training_loop_when_a_job_is_larger_than_the_socket_buffer(tmp_path):
+    """A writer that does not read (stopped here; stuck in the kernel elsewhere) fills the
+    socket: the job is sent by a thread of its own, so scheduling returns and only the job
+    waits; once the writer runs again it is written."""
+    state = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((4,), float(i))) for i in range(20_000)}
+    queue = AsyncCallsQueue(persistent=True)
+    strategy = TorchDistSaveShardedStrategy()
+    try:
+        queue.schedule_async_request(dist_ckpt.save(_state(1.0), tmp_path / "a", strategy, async_sharded_save=True))
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        writer = queue._persistent_caller.pid
+        os.kill(writer, signal.SIGSTOP)
+        request = dist_ckpt.save(state, tmp_path / "b", strategy, async_sharded_save=True)
+        scheduled = threading.Event()
+        threading.Thread(target=lambda: (queue.schedule_async_request(request), scheduled.set()), daemon=True).start()
+        try:
+            assert scheduled.wait(60), "scheduling blocked on a writer that does not read"
+            assert queue.maybe_finalize_async_calls(blocking=False, no_dist=True) == []
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    finally:
+        queue.close()
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(4)) for k in state}, tmp_path / "b")
+    assert all(torch.equal(loaded[k], v.data) for k, v in state.items())
 
 
 # no `if __name__ == "__main__":` - the writer does not run the training script again

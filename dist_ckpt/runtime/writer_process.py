@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from ..core import CheckpointingException
 from ..standalone.channel import MAX_FDS_PER_MESSAGE, Channel
@@ -86,8 +86,16 @@ class _Results:
         return self.get(0.0)
 
 
+_END = None  # in the outbox: the sending thread ends
+
+
 class PlainWriterProcess:
-    """A started writer process (not waited for: jobs wait in its inbox until it runs)."""
+    """A started writer process (not waited for: jobs wait in its inbox until it runs).
+
+    Messages go out through a thread of their own (as a ``multiprocessing`` queue's feeder
+    does): a job larger than the socket's buffer, sent to a writer that does not read (stopped,
+    or stuck in the kernel), would otherwise block the training loop in ``schedule`` for as long;
+    now only the job waits, and the write's ``timeout_s`` ends it."""
 
     name = "dist_ckpt-writer"
 
@@ -109,8 +117,10 @@ class PlainWriterProcess:
         self._channel = Channel(ours)
         self.jobs = _Jobs(self)
         self.results = _Results(self._channel)
-        self._send(("init", {"sys_path": list(sys.path),
-                             "authkey": bytes(multiprocessing.current_process().authkey)}))
+        self._outbox: "queue.Queue[Optional[Tuple[Any, ...]]]" = queue.Queue()
+        self._outbox.put(("init", {"sys_path": list(sys.path),
+                                   "authkey": bytes(multiprocessing.current_process().authkey)}))
+        threading.Thread(target=self._send_all, name="dist_ckpt-writer-outbox", daemon=True).start()
 
     @property
     def pid(self) -> int:
@@ -126,6 +136,7 @@ class PlainWriterProcess:
     def kill(self) -> None:
         if self.is_alive():
             self._popen.kill()
+        self._outbox.put(_END)
 
     def join(self, timeout: Optional[float] = None) -> None:
         try:
@@ -133,26 +144,53 @@ class PlainWriterProcess:
         except subprocess.TimeoutExpired:
             pass
 
-    def _send(self, message: Any, fds: List[int] = ()) -> None:  # type: ignore[assignment]
+    def send_job(self, message: Optional[Tuple[Any, ...]]) -> None:
+        """Queue a message for the writer (it is sent by the outbox thread, in order). None: stop
+        once the jobs before are done. Else ``(token, forget, arenas, kind, body)``: the arenas
+        (``(id, nbytes, fd)``: a duplicate descriptor the message owns, closed once passed) the
+        writer does not hold yet go first."""
+        self._outbox.put(("stop",) if message is None else ("job",) + tuple(message))
+
+    def _send_all(self) -> None:
+        """The outbox thread: every message in order, until a stop is sent or the writer is
+        gone (a message that cannot be sent then only closes its descriptors: the pending jobs
+        fail once the caller sees the writer gone)."""
+        alive = True
+        while True:
+            message = self._outbox.get()
+            if message is _END:  # killed: what is left is never sent
+                self._close_descriptors()
+                return
+            if message[0] != "job":
+                alive = alive and self._send(message)
+                if message[0] == "stop":
+                    return
+                continue
+            _, token, forget, arenas, kind, body = message
+            try:
+                for start in range(0, len(arenas), MAX_FDS_PER_MESSAGE):
+                    batch = arenas[start: start + MAX_FDS_PER_MESSAGE]
+                    alive = alive and self._send(("arenas", [(arena_id, nbytes) for arena_id, nbytes, _ in batch]),
+                                                 [fd for _, _, fd in batch])
+            finally:
+                for _, _, fd in arenas:
+                    os.close(fd)
+            alive = alive and self._send(("job", token, forget, kind, body))
+
+    def _close_descriptors(self) -> None:
+        while True:
+            try:
+                message = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if message is not _END and message[0] == "job":
+                for _, _, fd in message[3]:
+                    os.close(fd)
+
+    def _send(self, message: Tuple[Any, ...], fds: Sequence[int] = ()) -> bool:
+        """Whether the message was sent (False: the writer is gone)."""
         try:
             self._channel.send(message, fds)
-        except OSError:  # the writer is gone: its pending jobs fail when that is noticed (is_alive)
-            pass
-
-    def send_job(self, message: Optional[Tuple[Any, ...]]) -> None:
-        """None: stop once the jobs before are done. Else ``(token, forget, arenas, kind,
-        body)``: the arenas (``(id, nbytes, fd)``: a duplicate descriptor the message owns, closed
-        once passed) the writer does not hold yet go first."""
-        if message is None:
-            self._send(("stop",))
-            return
-        token, forget, arenas, kind, body = message
-        try:
-            for start in range(0, len(arenas), MAX_FDS_PER_MESSAGE):
-                batch = arenas[start: start + MAX_FDS_PER_MESSAGE]
-                self._send(("arenas", [(arena_id, nbytes) for arena_id, nbytes, _ in batch]),
-                           [fd for _, _, fd in batch])
-        finally:
-            for _, _, fd in arenas:
-                os.close(fd)
-        self._send(("job", token, forget, kind, body))
+        except OSError:
+            return False
+        return True
