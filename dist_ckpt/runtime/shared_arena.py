@@ -34,7 +34,7 @@ import torch.multiprocessing  # noqa: F401 - registers torch's reductions with F
 from ..standalone import arena_table
 from .devices import is_host_memory, pin_shared_memory, unpin_shared_memory
 
-__all__ = ["SharedArena", "JobPickler", "live_arena_ids", "arena_place", "arena_descriptors"]
+__all__ = ["SharedArena", "JobPickler", "live_arena_ids", "arena_place", "ArenaPlaces", "arena_descriptors"]
 
 ARENA_ALIGNMENT = 64  # every view starts 64-byte aligned (any dtype's alignment, cache lines)
 
@@ -98,13 +98,30 @@ def _arena_of(tensor: torch.Tensor) -> Optional[SharedArena]:
         return _live.get(tensor.untyped_storage().data_ptr())
 
 
+def _place_in(arena: Optional[SharedArena], tensor: torch.Tensor, storage: int) -> Optional[Tuple[int, int]]:
+    if arena is None or tensor.requires_grad or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        return None
+    return arena.id, tensor.data_ptr() - storage
+
+
 def arena_place(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
     """(arena id, byte offset) of a contiguous tensor that is a view into a live arena; None for
     any other tensor."""
     arena = _arena_of(tensor)
-    if arena is None or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
-        return None
-    return arena.id, tensor.data_ptr() - arena.storage.data_ptr()
+    return _place_in(arena, tensor, 0 if arena is None else arena.storage.data_ptr())
+
+
+class ArenaPlaces:
+    """``arena_place`` for many tensors of a few arenas: the live arenas looked up once, not
+    once per tensor (a rank of 100,000 staged tensors asks 100,000 times)."""
+
+    def __init__(self) -> None:
+        with _live_lock:
+            self._by_storage = dict(_live.items())
+
+    def __call__(self, tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
+        storage = tensor.untyped_storage().data_ptr()  # an arena's memory is host memory
+        return _place_in(self._by_storage.get(storage), tensor, storage)
 
 
 def arena_descriptors(arena_ids: Iterable[int]) -> List[Tuple[int, int, int]]:

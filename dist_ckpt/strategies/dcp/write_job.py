@@ -26,7 +26,7 @@ from ...integrity.manifest import BlockHashes, ManifestEntry, Recorder
 from ...integrity.recording import EntryList
 from ...mapping import ShardedObject
 from ...runtime.durable import fsync_directory
-from ...runtime.shared_arena import arena_place
+from ...runtime.shared_arena import ArenaPlaces
 from ...standalone.plain_files import ItemPlace, PlainFile, PlainWrite
 from .files import DCP_METADATA_FNAME, DcpReader, _buckets, write_dcp_files
 from .incremental import CONTENT_SUFFIX, BaseIndex, ContentLog, Reuse, ReuseStats
@@ -147,21 +147,26 @@ class DcpWriteJob:
         buckets = _buckets(self.items, self.thread_count)
         layouts: Dict[Tuple[torch.dtype, Tuple[int, ...]], int] = {}
         files, names, arenas = [], [], set()
+        place_of, tensors, byte_io = ArenaPlaces(), self.tensors, WriteItemType.BYTE_IO
         for i, bucket in enumerate(buckets):
             name = f"{self.prefix}{self.first_file + i}.distcp"
             plain_items: List[Tuple[Any, ...]] = []
+            append = plain_items.append
             for item in bucket:
-                if item.type == WriteItemType.BYTE_IO:
-                    plain_items.append((self.objects[item.index.fqn],))
+                if item.type == byte_io:
+                    append((self.objects[item.index.fqn],))
                     continue
-                tensor = self.tensors[item.index]
-                place = arena_place(tensor)
+                tensor = tensors[item.index]
+                place = place_of(tensor)
                 if place is None:
                     return None
-                shape = tuple(cast(TensorWriteData, item.tensor_data).chunk.sizes)
-                layout = layouts.setdefault((tensor.dtype, shape), len(layouts))
+                dtype = tensor.dtype
+                key = (dtype, tuple(cast(TensorWriteData, item.tensor_data).chunk.sizes))
+                layout = layouts.get(key)
+                if layout is None:
+                    layout = layouts[key] = len(layouts)
                 arenas.add(place[0])
-                plain_items.append((layout, place[0], place[1], tensor.numel() * tensor.dtype.itemsize))
+                append((layout, place[0], place[1], tensor.numel() * dtype.itemsize))
             files.append(PlainFile(str(Path(self.checkpoint_dir) / name), plain_items))
             names.append(name)
         job = PlainWrite(str(self.checkpoint_dir), files, [record_layout(dtype, shape) for dtype, shape in layouts],
