@@ -30,6 +30,7 @@ import pickle
 import queue
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from collections import OrderedDict
@@ -37,7 +38,8 @@ from multiprocessing.connection import wait as wait_for_sentinels
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from dist_ckpt.runtime.interrupts import detach_from_interrupts, helpers_starting
-from dist_ckpt.runtime.launch import COLLECTIVE_TIMEOUT_S, GRACE_S, RankFailedError, _end, _init_group
+from dist_ckpt.runtime.launch import (COLLECTIVE_TIMEOUT_S, GRACE_S, RankFailedError, _end, _init_group,
+                                     shut_down_helper_processes)
 from dist_ckpt.runtime.launch import run_distributed as run_in_fresh_processes
 
 __all__ = ["run_distributed", "close_pools"]
@@ -138,6 +140,7 @@ def _clear_fsspec_instances() -> None:
         cls.clear_instance_cache()
 
 
+RANKS_END_S = 2.0  # how long ranks that end on their own (failed, retiring) have before they are killed
 _MISSING = object()
 # Libraries whose import changes torch and the process for good (safe globals for torch.load,
 # patched functions, import hooks): a rank that imported one in a call is not reused.
@@ -179,6 +182,7 @@ def _pool_rank(rank: int, world_size: int, tasks: Any, results: Any, parent_pid:
             results.join_thread()  # the report is sent before the process ends
             sys.stdout.flush()
             sys.stderr.flush()
+            shut_down_helper_processes()
             os._exit(1)  # no teardown: a peer may be stuck in a collective with this rank
         dist.destroy_process_group()
         baseline.restore()
@@ -187,6 +191,7 @@ def _pool_rank(rank: int, world_size: int, tasks: Any, results: Any, parent_pid:
         if retiring:  # what importing it did to torch and the process cannot be put back
             results.close()
             results.join_thread()
+            shut_down_helper_processes()
             os._exit(0)
 
 
@@ -223,9 +228,17 @@ class _Pool:
                 ended = [sentinels[s] for s in wait_for_sentinels(list(sentinels), 0)]
                 if [rank for rank in ended if rank not in done]:
                     self._fail_after_a_death(call, done, ended)
-        if self.retiring:
+        if self.retiring:  # the ranks end on their own after their reports
+            self._let_ranks_end()
             self.close(kill=True)
         return [done[rank] for rank in range(self.world_size)]
+
+    def _let_ranks_end(self) -> None:
+        """Give ranks that end on their own (a failed call, a retiring rank) the time to shut
+        down the helper processes they started; one stuck in a collective is killed after it."""
+        until = time.monotonic() + RANKS_END_S
+        for process in self.procs:
+            process.join(max(0.0, until - time.monotonic()))
 
     def _take_result(self, call: int, done: Dict[int, Any], timeout: float) -> bool:
         """One message of the result queue into ``done`` (an error raises); False if none came."""
@@ -243,6 +256,7 @@ class _Pool:
 
     def _fail(self, rank: int, error: Tuple[Optional[bytes], str, str]) -> None:
         raised, summary, text = error
+        self._let_ranks_end()
         self.close(kill=True)
         exc = pickle.loads(raised) if raised is not None else RankFailedError(f"rank {rank}: {summary}")
         exc.add_note(f"(raised in rank {rank} of {self.world_size}; its traceback:)\n{text}")
