@@ -94,7 +94,7 @@ def shut_down_helper_processes() -> None:
     ``os._exit`` left the server behind for good (about 275 MiB each; 8 after one test run)."""
     import multiprocessing.util
 
-    multiprocessing.util._run_finalizers(0)
+    multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]  # not in typeshed; in CPython since 2.6
 
 
 def _exit_without_teardown() -> None:
