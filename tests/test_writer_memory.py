@@ -67,6 +67,19 @@ def _state(value: float) -> dict:
     return {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((256, 256), value + i)) for i in range(4)}
 
 
+def _save_through(queue: AsyncCallsQueue, strategy: TorchDistSaveShardedStrategy, value: float, path: Path) -> None:
+    """``_state(value)`` saved through ``queue`` and committed."""
+    queue.schedule_async_request(dist_ckpt.save(_state(value), path, strategy, async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+
+
+def _assert_holds(path: Path, value: float) -> None:
+    """The checkpoint at ``path`` loads as ``_state(value)``, bit for bit."""
+    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 256)) for k in _state(0.0)}, path)
+    for key, sh in _state(value).items():
+        assert tensors_bitwise_equal(loaded[key], sh.data), key
+
+
 def test_staging_is_shared_memory_from_the_start_once_a_writer_process_is_in_use(tmp_path):
     strategy = TorchDistSaveShardedStrategy()  # async_writer="thread": the queue decides where it runs
     queue = AsyncCallsQueue()
@@ -188,8 +201,7 @@ def test_the_writer_runs_other_jobs_after_importing_torch_and_plain_writes_after
     queue = AsyncCallsQueue(persistent=True)
     strategy = TorchDistSaveShardedStrategy()
     try:
-        queue.schedule_async_request(dist_ckpt.save(_state(1.0), tmp_path / "a", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 1.0, tmp_path / "a")
         writer = queue._persistent_caller.pid
         request = AsyncRequest(_torch_imported_here, (), [])
         queue.schedule_async_request(request)
@@ -200,8 +212,7 @@ def test_the_writer_runs_other_jobs_after_importing_torch_and_plain_writes_after
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
         assert request.async_result == [499500.0, 3.0]
-        queue.schedule_async_request(dist_ckpt.save(_state(2.0), tmp_path / "b", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 2.0, tmp_path / "b")
         assert queue._persistent_caller.pid == writer
     finally:
         queue.close()
@@ -237,8 +248,7 @@ def test_a_killed_writer_fails_its_save_by_name_and_the_next_save_starts_another
     queue = AsyncCallsQueue(persistent=True)
     strategy = TorchDistSaveShardedStrategy()
     try:
-        queue.schedule_async_request(dist_ckpt.save(_state(1.0), tmp_path / "a", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 1.0, tmp_path / "a")
         writer = queue._persistent_caller.pid
         os.kill(writer, signal.SIGSTOP)  # the next save's write cannot start before the kill
         queue.schedule_async_request(dist_ckpt.save(_state(2.0), tmp_path / "b", strategy, async_sharded_save=True))
@@ -247,23 +257,18 @@ def test_a_killed_writer_fails_its_save_by_name_and_the_next_save_starts_another
                                                          r"the checkpoint was not committed"):
             queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
         assert not (tmp_path / "b" / "metadata.json").exists()
-        queue.schedule_async_request(dist_ckpt.save(_state(3.0), tmp_path / "c", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 3.0, tmp_path / "c")
         assert queue._persistent_caller.pid != writer
     finally:
         queue.close()
-    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 256)) for k in _state(0.0)},
-                            tmp_path / "c")
-    for key, sh in _state(3.0).items():
-        assert tensors_bitwise_equal(loaded[key], sh.data), key
+    _assert_holds(tmp_path / "c", 3.0)
 
 
 def test_a_plain_write_that_fails_in_the_writer_fails_the_save_with_the_writers_error(tmp_path):
     queue = AsyncCallsQueue(persistent=True)
     strategy = TorchDistSaveShardedStrategy()
     try:
-        queue.schedule_async_request(dist_ckpt.save(_state(1.0), tmp_path / "a", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 1.0, tmp_path / "a")
         writer = queue._persistent_caller.pid
         os.kill(writer, signal.SIGSTOP)  # the write starts only after its directory is gone
         queue.schedule_async_request(dist_ckpt.save(_state(2.0), tmp_path / "b", strategy, async_sharded_save=True))
@@ -275,14 +280,10 @@ def test_a_plain_write_that_fails_in_the_writer_fails_the_save_with_the_writers_
             queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
         assert not (tmp_path / "b").exists()
         assert queue._persistent_caller.pid == writer  # the writer goes on
-        queue.schedule_async_request(dist_ckpt.save(_state(3.0), tmp_path / "c", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 3.0, tmp_path / "c")
     finally:
         queue.close()
-    loaded = dist_ckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(256, 256)) for k in _state(0.0)},
-                            tmp_path / "c")
-    for key, sh in _state(3.0).items():
-        assert tensors_bitwise_equal(loaded[key], sh.data), key
+    _assert_holds(tmp_path / "c", 3.0)
 
 
 def test_a_stopped_writer_does_not_block_the_training_loop_when_a_job_is_larger_than_the_socket_buffer(tmp_path):
@@ -293,8 +294,7 @@ def test_a_stopped_writer_does_not_block_the_training_loop_when_a_job_is_larger_
     queue = AsyncCallsQueue(persistent=True)
     strategy = TorchDistSaveShardedStrategy()
     try:
-        queue.schedule_async_request(dist_ckpt.save(_state(1.0), tmp_path / "a", strategy, async_sharded_save=True))
-        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        _save_through(queue, strategy, 1.0, tmp_path / "a")
         writer = queue._persistent_caller.pid
         os.kill(writer, signal.SIGSTOP)
         request = dist_ckpt.save(state, tmp_path / "b", strategy, async_sharded_save=True)
